@@ -1,0 +1,1 @@
+"""Benchmarks (installed as ``kvshrink.benchmarks``); targets live here, not in timed tests."""

@@ -1,0 +1,1 @@
+"""vLLM, LMCache and router glue (installed as ``kvshrink.plugins``)."""

@@ -1,0 +1,1 @@
+"""LMCache storage backends (installed as ``kvshrink.storage_backends``)."""
