@@ -16,6 +16,7 @@ from typing import Sequence
 # command name -> (module path, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "fixture": ("kvshrink.fixtures.cli", "build the SmolLM2 bf16 checkpoint and real-KV samples"),
+    "codec-bench": ("kvshrink.benchmarks.codec_bench", "KV Shrink codec vs zstd, numcodecs, lz4, deflate, ZipNN on real KV"),
 }
 
 
@@ -24,20 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_path, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        sub_parser.set_defaults(_module=module_path)
-        _load(module_path, name).add_arguments(sub_parser)
+        sub_parser.set_defaults(_module=module_path, _command=name)
+        try:
+            module = importlib.import_module(module_path)
+        except ImportError as exc:
+            # A missing optional dependency breaks its own command only, and says so when used.
+            sub_parser.set_defaults(_import_error=exc)
+            sub_parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            continue
+        module.add_arguments(sub_parser)
     return parser
-
-
-def _load(module_path: str, name: str):
-    try:
-        return importlib.import_module(module_path)
-    except ImportError as exc:  # a missing optional dependency must not break every command
-        raise SystemExit(f"kvshrink {name}: cannot import {module_path}: {exc}") from exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    error = getattr(args, "_import_error", None)
+    if error is not None:
+        raise SystemExit(f"kvshrink {args._command}: cannot import {args._module}: {error}")
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

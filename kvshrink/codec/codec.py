@@ -1,0 +1,215 @@
+"""``Codec``: settings, a worker pool, and the encode / decode / read_header entry points.
+
+Thread safety: a ``Codec`` may be used from many threads at once. Its settings are immutable; the
+zstd contexts live per thread (``backends``); the pool is created on first parallel use.
+Buffer ownership: ``encode`` only reads its input and returns new ``bytes``; ``decode`` writes only
+into the array it returns (``out`` when given, whose content is unspecified if decode raises).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from kvshrink.codec import backends, byteplanes, dtypes
+from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, run_blocks
+from kvshrink.codec.errors import CodecError, UnsupportedArrayError
+from kvshrink.codec.frame import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_BLOCKS,
+    METHODS,
+    FrameHeader,
+    block_count,
+    pack_header,
+    parse_header,
+)
+from kvshrink.errors import ConfigError
+
+DEFAULT_BLOCK_SIZE = 512 << 10
+DEFAULT_HASH_LOG = 6
+DEFAULT_MIN_SAVING = 0.02
+MAX_BLOCK_SIZE = 1 << 30  # stream sizes are stored as 32-bit integers
+PARALLEL_MIN_BYTES = 256 << 10  # below this, handing blocks to other threads costs more than it saves
+TRANSFORM_CHOICES = ("auto", "none", "rotl1")
+
+
+def default_threads() -> int:
+    """``KVSHRINK_CODEC_THREADS`` if set, else the CPU count (at most 8)."""
+    env = os.environ.get("KVSHRINK_CODEC_THREADS")
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ConfigError("KVSHRINK_CODEC_THREADS", f"not an integer: {env!r}") from None
+        if value < 1:
+            raise ConfigError("KVSHRINK_CODEC_THREADS", f"must be >= 1, got {value}")
+        return value
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class Codec:
+    """Codec settings plus the machinery to apply them.
+
+    * ``method``: "zstd" (default), "qat" (gzip/deflate; QAT hardware when libqatzip is present)
+      or "raw" (framed and checksummed, not compressed);
+    * ``level``: zstd 1..22 or deflate 1..9 (1 is best on split KV: higher zstd levels are slower
+      *and* larger there); ignored by "raw";
+    * ``block_size``: bytes of input per independent block (parallelism and checksum granularity);
+    * ``threads``: busy threads per call, the caller included;
+    * ``hash_log``: zstd match-finder table size for compressed streams (None: zstd's default);
+    * ``min_saving``: a stream whose sampled order-0 entropy promises a smaller saving is stored;
+    * ``transform``: "auto" (rotl1 when a sample says it helps), "none" or "rotl1";
+    * ``max_frame_bytes``: decode refuses frames claiming more decoded bytes than this.
+    """
+
+    def __init__(self, method: str = "zstd", level: int = 1, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                 threads: int | None = None, hash_log: int | None = DEFAULT_HASH_LOG,
+                 min_saving: float = DEFAULT_MIN_SAVING, transform: str = "auto",
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.method = _check_method(method)
+        self.level = _check_level(method, level)
+        self.block_size = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+        self.threads = default_threads() if threads is None else _check_int("threads", threads, 1)
+        if hash_log is not None:
+            _check_int("hash_log", hash_log, 6, 30)
+        self.hash_log = hash_log
+        if not 0.0 <= min_saving < 1.0:
+            raise ConfigError("min_saving", f"must be in [0, 1), got {min_saving!r}")
+        self.min_saving = float(min_saving)
+        if transform not in TRANSFORM_CHOICES:
+            raise ConfigError("transform", f"must be one of {TRANSFORM_CHOICES}, got {transform!r}")
+        self.transform = transform
+        self.max_frame_bytes = _check_int("max_frame_bytes", max_frame_bytes, 0)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"Codec(method={self.method!r}, level={self.level}, block_size={self.block_size}, "
+                f"threads={self.threads}, hash_log={self.hash_log}, min_saving={self.min_saving}, "
+                f"transform={self.transform!r})")
+
+    # -- public entry points ----------------------------------------------------------------------
+    def encode(self, x: Any, *, method: str | None = None, level: int | None = None) -> bytes:
+        """A frame holding ``x`` (numpy array or torch tensor); ``x`` is never modified."""
+        method = self.method if method is None else _check_method(method)
+        level = self.level if level is None else _check_level(method, level)
+        kind, rows = dtypes.as_byte_rows(x)
+        if kind.nbytes > self.max_frame_bytes:
+            raise UnsupportedArrayError(
+                f"array of {kind.nbytes} bytes is above max_frame_bytes={self.max_frame_bytes}; raise that limit "
+                "on the writing and the reading Codec, or send smaller chunks")
+        nstreams = 1 if method == "raw" or kind.itemsize == 1 else kind.itemsize
+        rotate, bits = byteplanes.analyze(rows, self.transform if nstreams > 1 else "none")
+        attempt = tuple(b <= 8.0 * (1.0 - self.min_saving) for b in bits) if nstreams == kind.itemsize else (False,)
+        block_elems = max(1, self.block_size // kind.itemsize, -(-kind.size // MAX_BLOCKS))
+        plan = EncodePlan(method, level, self.hash_log, attempt, rotate, nstreams, block_elems)
+        nblocks = block_count(kind.size, block_elems)
+        blocks = run_blocks(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
+                            self._executor(nblocks, kind.nbytes), self.threads)
+        header = pack_header(kind, method, "rotl1" if rotate else "none", nstreams, block_elems,
+                             [blk.checksum for blk in blocks], [blk.codings for blk in blocks],
+                             [[len(memoryview(p)) for p in blk.payloads] for blk in blocks])
+        return b"".join([header, *(p for blk in blocks for p in blk.payloads)])
+
+    def decode(self, blob: Any, out: Any = None, *, as_numpy: bool = False) -> Any:
+        """The array held by ``blob``, bit-exact, as the container it was encoded from.
+
+        With ``out`` (numpy array or torch tensor of the frame's dtype, or its raw uint view, with
+        the same number of bytes) the result is written there and ``out`` is returned; a
+        C-contiguous CPU ``out`` is filled in place without an intermediate full-size copy.
+        ``as_numpy`` returns numpy even for torch frames (bf16/fp8 as their raw uint dtype).
+        """
+        view = _as_bytes_view(blob)
+        header, table = parse_header(view, self.max_frame_bytes)
+        kind = header.kind
+        if out is not None:
+            rows = dtypes.output_rows(out, kind)
+            result, copy_needed = out, rows is None
+            if copy_needed:
+                rows = np.empty((kind.size, kind.itemsize), dtype=np.uint8)
+        else:
+            copy_needed = False
+            result, rows = _numpy_output(kind) if as_numpy else dtypes.new_output(kind)
+        run_blocks(header.nblocks, lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
+                   self._executor(header.nblocks, kind.nbytes), self.threads)
+        if copy_needed and kind.nbytes:
+            dtypes.copy_into(out, rows.reshape(-1))
+        return result
+
+    def read_header(self, blob: Any) -> FrameHeader:
+        """The validated header of ``blob`` (dtype, shape, method, sizes); nothing is decompressed."""
+        return parse_header(_as_bytes_view(blob), self.max_frame_bytes)[0]
+
+    def close(self) -> None:
+        """Stop the worker threads (the codec stays usable; a later call starts new ones)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> "Codec":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _executor(self, nblocks: int, nbytes: int) -> ThreadPoolExecutor | None:
+        if self.threads <= 1 or nblocks <= 1 or nbytes < PARALLEL_MIN_BYTES:
+            return None
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvshrink-codec")
+        return self._pool
+
+
+def _block_slice(header: FrameHeader, block: int) -> slice:
+    return slice(block * header.block_elems, (block + 1) * header.block_elems)
+
+
+def _numpy_output(kind: dtypes.ArrayKind) -> tuple[np.ndarray, np.ndarray]:
+    if kind.container == dtypes.NUMPY:
+        dtype = np.dtype(kind.dtype)
+    elif kind.dtype in ("bool", "float16", "float32", "float64", "complex64", "complex128") or \
+            kind.dtype.startswith(("int", "uint")):
+        dtype = np.dtype(kind.dtype)
+    else:  # bfloat16, fp8, complex32...: numpy has no such type; hand back the raw bits
+        dtype = np.dtype(f"u{kind.itemsize}")
+    array = np.empty(kind.shape, dtype=dtype)
+    return array, array.reshape(-1).view(np.uint8).reshape(kind.size, kind.itemsize)
+
+
+def _as_bytes_view(blob: Any) -> memoryview:
+    """A read-only flat byte view of ``blob`` (bytes, bytearray, memoryview or uint8 array)."""
+    try:
+        view = memoryview(blob)
+    except TypeError:
+        raise CodecError(f"a frame must be bytes-like, not {type(blob).__name__}") from None
+    if not view.c_contiguous:
+        raise CodecError("a frame must be a contiguous buffer")
+    return view.cast("B").toreadonly() if view.format != "B" or view.ndim != 1 else view.toreadonly()
+
+
+def _check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ConfigError("method", f"unknown codec method {method!r}; choose one of {METHODS}")
+    return method
+
+
+def _check_level(method: str, level: int) -> int:
+    try:
+        return backends.validate_level(method, level)
+    except ValueError as exc:
+        raise ConfigError("level", str(exc)) from None
+
+
+def _check_int(key: str, value: int, low: int, high: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ConfigError(key, f"must be an integer {bound}, got {value!r}")
+    return value

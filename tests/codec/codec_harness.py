@@ -1,0 +1,67 @@
+"""One round-trip harness shared by every codec test (the numcodecs ``tests/common.py`` idea).
+
+``check_roundtrip`` encodes, proves the caller's buffer was not touched, checks the header, decodes
+three ways (fresh array, ``out=`` numpy/torch buffer, as_numpy) and compares bytes, so NaN payloads
+and -0.0 count as different from anything but themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvshrink.codec import Codec, decode, encode, read_header
+
+
+def raw_bytes(x: Any) -> bytes:
+    """The bytes of a numpy array or torch tensor, in C order."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return b""
+        return x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(x).tobytes()
+
+
+def assert_identical(got: Any, want: Any) -> None:
+    """Same container, dtype, shape and bytes."""
+    same_kind = type(got) is type(want) or (isinstance(got, np.ndarray) and isinstance(want, np.ndarray))
+    assert same_kind, (type(got), type(want))
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert tuple(got.shape) == tuple(want.shape), (got.shape, want.shape)
+    assert raw_bytes(got) == raw_bytes(want)
+
+
+def check_roundtrip(x: Any, codec: Codec | None = None, method: str = "zstd", level: int | None = None) -> bytes:
+    """Encode ``x`` and check everything a caller relies on; returns the frame."""
+    before = raw_bytes(x)
+    expected = np.asarray(x) if isinstance(x, np.generic) else x
+    if codec is None:
+        blob = encode(x, method=method, level=1 if level is None else level)
+        dec = decode
+    else:
+        blob = codec.encode(x, method=method, level=level)
+        dec = codec.decode
+    assert isinstance(blob, bytes)
+    assert raw_bytes(x) == before, "encode modified the caller's buffer"
+
+    header = read_header(blob)
+    assert header.shape == tuple(x.shape)
+    assert header.method == method
+    assert header.raw_size == len(before)
+    assert header.frame_size == len(blob)
+    assert header.container == ("torch" if isinstance(x, torch.Tensor) else "numpy")
+
+    for form in (blob, bytearray(blob), memoryview(blob), np.frombuffer(blob, dtype=np.uint8)):
+        assert_identical(dec(form), expected)
+
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if isinstance(x, torch.Tensor) \
+        else np.empty(x.shape, dtype=x.dtype)
+    assert dec(blob, out=out) is out
+    assert_identical(out, np.array(expected, order="C") if isinstance(x, (np.ndarray, np.generic)) else x)
+
+    as_np = dec(blob, as_numpy=True)
+    assert isinstance(as_np, np.ndarray)
+    assert as_np.tobytes() == before
+    return blob
