@@ -17,6 +17,7 @@ from typing import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "fixture": ("kvshrink.fixtures.cli", "build the SmolLM2 bf16 checkpoint and real-KV samples"),
     "codec-bench": ("kvshrink.benchmarks.codec_bench", "KV Shrink codec vs zstd, numcodecs, lz4, deflate, ZipNN on real KV"),
+    "store-bench": ("kvshrink.benchmarks.store_bench", "benchmark the tiered store: SSD bytes/token, get_many across tiers, 100k-chunk reopen"),
 }
 
 

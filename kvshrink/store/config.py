@@ -1,0 +1,240 @@
+"""Store configuration: an ordered list of tiers plus copy-engine limits, from YAML or a dict.
+
+Every value is checked once, here, so that tiers can trust what they get; a wrong value raises
+:class:`~kvshrink.errors.ConfigError` naming the exact key (``tiers[1].capacity``). Unknown keys
+are errors too: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvshrink.errors import ConfigError
+
+EVICTION_POLICIES = ("lru", "fifo")
+TIER_KINDS = ("dram", "ssd", "redis")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(value: Any, key: str) -> int:
+    """``"4GiB"``, ``"512 MB"``, ``1048576`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a size such as 4GiB or 1048576, got {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = _SIZE_RE.match(str(value))
+        unit = (match.group(2) or "").lower() if match else None
+        if not match or unit not in _SIZE_UNITS:
+            raise ConfigError(key, f"expected a size such as 4GiB or 1048576, got {value!r}")
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 0:
+        raise ConfigError(key, f"must not be negative, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier. ``put``: a store lands here and its Future waits for it; ``write_back``: the chunk
+    is copied here in the background after the put; eviction from the tier above demotes here."""
+
+    kind: str
+    name: str
+    capacity: int
+    compressed: bool
+    eviction: str = "lru"
+    put: bool = False
+    write_back: bool = False
+    method: str = "zstd"
+    level: int = 1
+    # dram
+    shm_name: str = ""
+    hugepages: bool = False
+    mlock: bool = False
+    # ssd
+    path: str = ""
+    fsync: bool = True
+    # redis
+    url: str = ""
+    cluster: bool = False
+    ttl_s: float = 0.0
+    timeout_s: float = 0.5
+    retries: int = 1
+    namespace: str = "kvshrink"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Copy-engine limits. A put beyond ``put_queue`` in flight, or beyond ``staging_bytes`` of
+    staged data, is dropped and counted; background jobs beyond ``background_queue`` likewise."""
+
+    put_workers: int = 2
+    background_workers: int = 1
+    read_workers: int = 4
+    put_queue: int = 64
+    background_queue: int = 256
+    staging_bytes: int = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    tiers: tuple[TierConfig, ...]
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    promote_on_hit: bool = True
+
+    @classmethod
+    def load(cls, source: "str | Path | Mapping[str, Any] | StoreConfig") -> "StoreConfig":
+        """From a YAML file path, a dict with the same structure, or an existing config."""
+        if isinstance(source, StoreConfig):
+            return source
+        if isinstance(source, (str, Path)):
+            import yaml
+
+            path = Path(source)
+            try:
+                data = yaml.safe_load(path.read_text())
+            except OSError as exc:
+                raise ConfigError("<file>", f"cannot read {path}: {exc}") from exc
+            except yaml.YAMLError as exc:
+                raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
+            return parse_store_config(data)
+        return parse_store_config(source)
+
+
+_TIER_DEFAULTS = {"dram": {"compressed": False, "eviction": "lru"},
+                  "ssd": {"compressed": True, "eviction": "lru"},
+                  "redis": {"compressed": True, "eviction": "lru", "capacity": 0}}
+_KIND_ONLY_KEYS = {"dram": {"shm_name", "hugepages", "mlock"}, "ssd": {"path", "fsync"},
+                   "redis": {"url", "cluster", "ttl_s", "timeout_s", "retries", "namespace"}}
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+def parse_store_config(data: Any) -> StoreConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError("<root>", f"expected a mapping with a 'tiers' list, got {type(data).__name__}")
+    _reject_unknown(data, {"tiers", "engine", "promote_on_hit"}, "")
+    tiers_data = data.get("tiers")
+    if not isinstance(tiers_data, list) or not tiers_data:
+        raise ConfigError("tiers", "expected a non-empty list of tiers, fastest first")
+    tiers = tuple(_parse_tier(t, i) for i, t in enumerate(tiers_data))
+    names = [t.name for t in tiers]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise ConfigError(f"tiers[{i}].name", f"duplicate tier name {name!r}; give each tier a distinct name")
+    if not any(t.put for t in tiers):
+        tiers = (replace(tiers[0], put=True),) + tiers[1:]
+    engine = _parse_engine(data.get("engine", {}))
+    promote = _bool(data.get("promote_on_hit", True), "promote_on_hit")
+    return StoreConfig(tiers=tiers, engine=engine, promote_on_hit=promote)
+
+
+def _parse_tier(data: Any, index: int) -> TierConfig:
+    prefix = f"tiers[{index}]"
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix, f"expected a mapping, got {type(data).__name__}")
+    kind = data.get("kind")
+    if kind not in TIER_KINDS:
+        raise ConfigError(f"{prefix}.kind", f"expected one of {TIER_KINDS}, got {kind!r}")
+    common = {f.name for f in fields(TierConfig)} - set().union(*_KIND_ONLY_KEYS.values())
+    _reject_unknown(data, common | _KIND_ONLY_KEYS[kind], prefix)
+    values = {**_TIER_DEFAULTS[kind], **data}
+    out: dict[str, Any] = {"kind": kind, "name": str(values.get("name", kind))}
+    if "capacity" not in values:
+        raise ConfigError(f"{prefix}.capacity", "required: the most bytes this tier may hold (e.g. 4GiB)")
+    out["capacity"] = parse_size(values["capacity"], f"{prefix}.capacity")
+    if kind != "redis" and out["capacity"] == 0:
+        raise ConfigError(f"{prefix}.capacity", "must be greater than zero")
+    for key in ("compressed", "put", "write_back", "hugepages", "mlock", "fsync", "cluster"):
+        if key in values:
+            out[key] = _bool(values[key], f"{prefix}.{key}")
+    eviction = str(values["eviction"]).lower()
+    if eviction not in EVICTION_POLICIES:
+        raise ConfigError(f"{prefix}.eviction", f"expected one of {EVICTION_POLICIES}, got {values['eviction']!r}")
+    out["eviction"] = eviction
+    if "method" in values:
+        out["method"] = _compressing_method(values["method"], f"{prefix}.method")
+    if "level" in values:
+        out["level"] = _int(values["level"], f"{prefix}.level", minimum=-7)
+    if index == 0 and out.get("write_back"):
+        raise ConfigError(f"{prefix}.write_back", "the first tier cannot be a write-back target; use put: true")
+    _parse_kind_specific(kind, values, out, prefix)
+    return TierConfig(**out)
+
+
+def _parse_kind_specific(kind: str, values: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
+    if kind == "dram":
+        shm_name = str(values.get("shm_name") or f"kvshrink-{out['name']}")
+        if not _SHM_NAME_RE.match(shm_name):
+            raise ConfigError(f"{prefix}.shm_name", f"use letters, digits, '.', '_' or '-' only, got {shm_name!r}")
+        out["shm_name"] = shm_name
+    elif kind == "ssd":
+        if not values.get("path"):
+            raise ConfigError(f"{prefix}.path", "required: the directory that holds this tier's files")
+        out["path"] = str(Path(str(values["path"])).expanduser())
+    else:
+        url = str(values.get("url") or "")
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"{prefix}.url", f"expected a redis:// or rediss:// URL, got {url!r}")
+        out["url"] = url
+        for key in ("ttl_s", "timeout_s"):
+            if key in values:
+                out[key] = _float(values[key], f"{prefix}.{key}")
+        if out.get("timeout_s", 1.0) <= 0:
+            raise ConfigError(f"{prefix}.timeout_s", "must be > 0: a timeout is what turns an outage into a miss")
+        if "retries" in values:
+            out["retries"] = _int(values["retries"], f"{prefix}.retries", minimum=0)
+        if "namespace" in values:
+            out["namespace"] = str(values["namespace"])
+
+
+def _compressing_method(value: Any, key: str) -> str:
+    from kvshrink.codec import METHODS
+
+    choices = [m for m in METHODS if m != "raw"]  # uncompressed tiers say compressed: false
+    if value not in choices:
+        raise ConfigError(key, f"expected one of {choices}, got {value!r}")
+    return str(value)
+
+
+def _parse_engine(data: Any) -> EngineConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError("engine", f"expected a mapping, got {type(data).__name__}")
+    names = {f.name for f in fields(EngineConfig)}
+    _reject_unknown(data, names, "engine")
+    out: dict[str, Any] = {}
+    for name in names & set(data):
+        key = f"engine.{name}"
+        out[name] = parse_size(data[name], key) if name == "staging_bytes" else _int(data[name], key, minimum=1)
+    return EngineConfig(**out)
+
+
+def _reject_unknown(data: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
+    for key in data:
+        if key not in allowed:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(where, f"unknown key; expected one of {sorted(allowed)}")
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    return value
+
+
+def _int(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, f"expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(key, f"expected a number >= 0, got {value!r}")
+    return float(value)
+

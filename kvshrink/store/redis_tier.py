@@ -1,0 +1,125 @@
+"""Redis tier (Redis or Valkey, standalone or cluster): compressed frames under namespaced keys.
+
+Why the failure handling looks the way it does: Redis is the shared, remote tier, so an outage is
+normal operation. Every call has a socket timeout and a bounded redis-py ``Retry`` with jittered
+exponential backoff; when that is spent, a read is a miss and a write raises
+:class:`~kvshrink.errors.StoreUnavailableError`, both counted. The connection pool reconnects on
+the next call once Redis is back; there is no reconnection code here.
+
+Capacity and eviction are Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``); the
+configured ``capacity`` is reported, not enforced. Frames are stored whole, optionally with a TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from kvshrink.errors import StoreUnavailableError
+from kvshrink.store.config import TierConfig
+from kvshrink.store.tier import Buffer, KeepVictims, Tier, Victim
+
+log = logging.getLogger(__name__)
+
+
+def connect(config: TierConfig) -> Any:
+    """A redis-py client for ``config.url`` with timeouts and a bounded, backed-off retry."""
+    import redis
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.retry import Retry
+
+    options: dict[str, Any] = {
+        "socket_timeout": config.timeout_s,
+        "socket_connect_timeout": config.timeout_s,
+        "retry": Retry(ExponentialWithJitterBackoff(cap=config.timeout_s, base=0.01), config.retries),
+    }
+    if config.cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(config.url, **options)
+    return redis.Redis.from_url(config.url, **options)
+
+
+class RedisTier(Tier):
+    kind = "redis"
+    batch_reads = True
+
+    def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
+        super().__init__(config, is_pinned)
+        from redis.exceptions import RedisError
+
+        self._errors = (RedisError, OSError)
+        self._client = connect(config)
+        self._prefix = config.namespace.encode() + b":"
+        self._ttl = int(config.ttl_s * 1000) or None
+
+    def _k(self, key: bytes) -> bytes:
+        return self._prefix + key
+
+    def write_frame(self, key: bytes, frame: Buffer, keep_victims: KeepVictims = False,
+                    evict_first: Sequence[bytes] = ()) -> list[Victim]:
+        data = frame if isinstance(frame, bytes) else memoryview(frame).cast("B").tobytes()
+        try:
+            self._client.set(self._k(key), data, px=self._ttl)
+        except self._errors as exc:
+            raise self._count_write_error(key, exc) from exc
+        self.counters.add("puts")
+        self.counters.add("put_bytes", len(data))
+        return []
+
+    @contextmanager
+    def _open_frame(self, key: bytes, touch: bool = True) -> Iterator[Buffer | None]:
+        yield self._call("get", None, self._k(key))
+
+    def fetch_frames(self, keys: list[bytes]) -> list[Buffer | None]:
+        if not keys:
+            return []
+        names = [self._k(k) for k in keys]
+        method = "mget_nonatomic" if self.config.cluster else "mget"
+        frames = self._call(method, None, names)
+        return list(frames) if frames is not None else [None] * len(keys)
+
+    def _discard_corrupt(self, key: bytes, reason: str) -> None:
+        self._call("delete", 0, self._k(key))
+
+    def delete(self, key: bytes) -> bool:
+        return bool(self._call("delete", 0, self._k(key)))
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self._call("exists", 0, self._k(key)))
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._k(key))
+            return [bool(n) for n in pipe.execute()]
+        except self._errors as exc:
+            self.counters.add("errors")
+            log.debug("tier %s: exists failed: %s", self.name, exc)
+            return [False] * len(keys)
+
+    def keys(self) -> list[bytes]:
+        try:
+            return [k[len(self._prefix) :] for k in self._client.scan_iter(match=self._prefix + b"*", count=1000)]
+        except self._errors as exc:
+            self.counters.add("errors")
+            raise StoreUnavailableError(f"tier {self.name}: cannot list keys: {exc}") from exc
+
+    def usage(self) -> tuple[int, int]:
+        return -1, -1  # shared and self-evicting: only Redis knows (INFO memory), not this client
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: str, fallback: Any, *args: Any) -> Any:
+        """Run one client call; an unreachable or slow Redis is counted and gives ``fallback``."""
+        try:
+            return getattr(self._client, method)(*args)
+        except self._errors as exc:
+            self.counters.add("errors")
+            log.debug("tier %s: %s failed: %s", self.name, method, exc)
+            return fallback

@@ -1,0 +1,405 @@
+"""SSD tier: one file per chunk under a directory, an append-only index, LRU eviction.
+
+Layout under ``path``::
+
+    LOCK               flock held by the one process that owns the directory
+    CLEAN              present only between a clean close and the next open
+    index.log          see ssd_index.py
+    chunks/ab/<40 hex>.kvc   blake2b(key) names: no caller byte ever reaches a path
+    tmp/               writes in progress (deleted at open: torn writes never become chunks)
+    quarantine/        files that failed verification, moved aside for inspection
+
+A chunk file is ``KVSC | version | key_len | key | codec frame``. Writes go to ``tmp/``, are
+fsync'ed, then renamed into place (and the directory fsync'ed), so a reader sees the old file or
+the new one, never a torn one. Reads check the stored key and the frame checksum; a mismatch
+moves the file to ``quarantine/`` and is a miss.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from kvshrink.errors import StoreUnavailableError
+from kvshrink.store.config import TierConfig
+from kvshrink.store.ssd_index import DELETE, PUT, IndexLog
+from kvshrink.store.tier import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
+
+log = logging.getLogger(__name__)
+
+FILE_HEADER = struct.Struct("<4sHHI")  # magic, version, reserved, key_len
+FILE_MAGIC = b"KVSC"
+FILE_VERSION = 1
+SUFFIX = ".kvc"
+CLEAN_MARKER = "CLEAN"
+
+
+def chunk_name(key: bytes) -> str:
+    """Fixed-length hex name: the only thing derived from a key that touches the file system."""
+    return hashlib.blake2b(key, digest_size=20).hexdigest()
+
+
+def file_prefix(key: bytes) -> bytes:
+    return FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, 0, len(key)) + key
+
+
+def parse_prefix(data: Buffer) -> bytes | None:
+    """The key stored in a chunk file's header, or None if the header is not ours."""
+    if len(data) < FILE_HEADER.size:
+        return None
+    magic, version, _, key_len = FILE_HEADER.unpack_from(data, 0)
+    if magic != FILE_MAGIC or version != FILE_VERSION or FILE_HEADER.size + key_len > len(data):
+        return None
+    return bytes(data[FILE_HEADER.size : FILE_HEADER.size + key_len])
+
+
+class SsdTier(Tier):
+    kind = "ssd"
+
+    def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
+        super().__init__(config, is_pinned)
+        self.root = Path(config.path)
+        self._fsync = config.fsync
+        self.chunks_dir, self.tmp_dir, self.quarantine_dir = (self.root / d for d in ("chunks", "tmp", "quarantine"))
+        try:
+            for folder in (self.chunks_dir, self.tmp_dir, self.quarantine_dir):
+                folder.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StoreUnavailableError(f"tier {self.name}: cannot use directory {self.root}: {exc}") from exc
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise StoreUnavailableError(f"tier {self.name}: {self.root} is owned by another live process") from exc
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self._tmp_ids = itertools.count()
+        self._reserved = 0  # bytes of writes in flight, counted against capacity
+        self._clear_tmp()
+        self._index = IndexLog(self.root / "index.log")
+        if self._index.damaged:
+            log.warning("tier %s: index %s is damaged; rebuilding it from the chunk files", self.name,
+                        self._index.path)
+        self._lru = LruIndex(config.eviction)
+        self._lru.load(self._index.recovered)
+        del self._index.recovered
+        self.clean_start = self._take_clean_marker() and not self._index.damaged
+        # after a crash, files renamed into place whose index record was lost are adopted in the
+        # background; after a clean close the index is complete and the scan is skipped
+        self._reconciler = threading.Thread(target=self._reconcile_quietly, name=f"kvshrink-{self.name}-reconcile",
+                                            daemon=True)
+        if not self.clean_start:
+            self._reconciler.start()
+
+    def path_for(self, key: bytes) -> Path:
+        name = chunk_name(key)
+        return self.chunks_dir / name[:2] / (name + SUFFIX)
+
+    # -- writes -----------------------------------------------------------------------------------
+    def plan_eviction(self, key: bytes, frame_len: int) -> list[bytes]:
+        with self._lock:
+            return self._choose_victims_locked(key, len(file_prefix(key)) + frame_len)[0]
+
+    def _choose_victims_locked(self, key: bytes, size: int, first: Sequence[bytes] = ()) -> tuple[list[bytes], int]:
+        """Oldest unpinned keys (``first`` before the others) whose removal makes ``size`` more
+        bytes fit, and the bytes still missing after them (> 0: it cannot fit)."""
+        excess = self._lru.total - (self._lru.get(key) or 0) + self._reserved + size - self.capacity_bytes
+        chosen: list[bytes] = []
+        for victim in self._lru.oldest(self.is_pinned, exclude=key, first=first):
+            if excess <= 0:
+                break
+            chosen.append(victim)
+            excess -= self._lru.get(victim)
+        return chosen, excess
+
+    def write_frame(self, key: bytes, frame: Buffer, keep_victims: KeepVictims = False,
+                    evict_first: Sequence[bytes] = ()) -> list[Victim]:
+        prefix = file_prefix(key)
+        size = len(prefix) + memoryview(frame).nbytes
+        if size > self.capacity_bytes:
+            raise self._count_write_error(key, TierFullError(f"{size}-byte chunk exceeds capacity"))
+        with self._lock:
+            victims = self._make_room_locked(key, size, keep_victims, evict_first)
+            self._reserved += size
+        try:
+            self._write_file(key, prefix, frame)
+        except OSError as exc:
+            for _, held in victims:  # nothing to demote them for: the write that needed room failed
+                if held is not None:
+                    held.unlink(missing_ok=True)
+            raise self._count_write_error(key, exc) from exc
+        finally:
+            with self._lock:
+                self._reserved -= size
+        with self._lock:
+            self._lru.add(key, size)
+            self._append_index(PUT, key, size)
+        self.counters.add("puts")
+        self.counters.add("put_bytes", size)
+        return [self._collect_victim(v) for v in victims]
+
+    def _write_file(self, key: bytes, prefix: bytes, frame: Buffer) -> None:
+        final = self.path_for(key)
+        tmp = self.tmp_dir / f"{final.stem}.{os.getpid()}.{next(self._tmp_ids)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, prefix)
+            _write_all(fd, frame)
+            if self._fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+            if self._fsync:
+                _fsync_dir(final.parent)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _make_room_locked(self, key: bytes, size: int, keep_victims: KeepVictims,
+                          first: Sequence[bytes]) -> list[tuple[bytes, Path | None]]:
+        """Evict oldest unpinned chunks until ``size`` more bytes fit. With ``keep_victims`` the
+        victim files are renamed into tmp/ (read later, outside the lock), else unlinked now."""
+        chosen, missing = self._choose_victims_locked(key, size, first)
+        if missing > 0:
+            raise self._count_write_error(key, TierFullError("every resident chunk is pinned or in flight"))
+        victims: list[tuple[bytes, Path | None]] = []
+        for victim in chosen:
+            self._lru.pop(victim)
+            self._append_index(DELETE, victim, 0)
+            path = self.path_for(victim)
+            held = self.tmp_dir / f"{path.stem}.{next(self._tmp_ids)}.evicted" if wants_frame(keep_victims, victim) else None
+            try:
+                if held is not None:
+                    os.replace(path, held)
+                else:
+                    path.unlink()
+            except FileNotFoundError:
+                held = None
+            self.counters.add("evictions")
+            victims.append((victim, held))
+        return victims
+
+    def _collect_victim(self, victim: tuple[bytes, Path | None]) -> Victim:
+        key, held = victim
+        if held is None:
+            return Victim(key, None)
+        try:
+            data = held.read_bytes()
+        finally:
+            held.unlink(missing_ok=True)
+        return Victim(key, data[len(file_prefix(key)) :] if parse_prefix(data) == key else None)
+
+    def _append_index(self, op: int, key: bytes, size: int) -> None:
+        """Index failures (disk full) are counted; the files stay right and reconcile() re-adopts.
+        Call with the lock held."""
+        try:
+            self._index.append(op, key, size)
+            if self._index.should_compact(len(self._lru)):
+                self._compact_locked()
+        except OSError as exc:
+            self.counters.add("errors")
+            log.warning("tier %s: index update failed (%s); reconcile will repair it", self.name, exc)
+
+    def _compact_locked(self) -> None:
+        self._index.compact(self._lru.items())
+
+    # -- reads ------------------------------------------------------------------------------------
+    @contextmanager
+    def _open_frame(self, key: bytes, touch: bool = True) -> Iterator[Buffer | None]:
+        with self._lock:
+            known = key in self._lru
+            if touch:
+                self._lru.touch(key)
+        if not known:
+            yield None
+            return
+        data = self._read_file(key)
+        if data is None:
+            yield None
+            return
+        if parse_prefix(data) != key:
+            self.quarantine(key, "chunk file header does not hold this key")
+            yield None
+            return
+        yield data[len(file_prefix(key)) :]
+
+    def _read_file(self, key: bytes) -> memoryview | None:
+        """The whole file in a per-thread reusable buffer (no page faults on fresh memory)."""
+        try:
+            fd = os.open(self.path_for(key), os.O_RDONLY)
+        except FileNotFoundError:
+            with self._lock:  # deleted behind our back: forget it
+                if self._lru.pop(key) is not None:
+                    self._append_index(DELETE, key, 0)
+            return None
+        except OSError as exc:
+            self.counters.add("errors")
+            log.warning("tier %s: cannot open chunk %s: %s", self.name, key.hex()[:32], exc)
+            return None
+        try:
+            stat = os.fstat(fd)
+            self._tls.inode = stat.st_ino
+            buf = getattr(self._tls, "buf", None)
+            if buf is None or buf.nbytes < stat.st_size:
+                buf = self._tls.buf = np.empty(stat.st_size, dtype=np.uint8)
+            view = memoryview(buf)[: stat.st_size]
+            got = 0
+            while got < stat.st_size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+            return view[:got]
+        except OSError as exc:
+            self.counters.add("errors")
+            log.warning("tier %s: cannot read chunk %s: %s", self.name, key.hex()[:32], exc)
+            return None
+        finally:
+            os.close(fd)
+
+    def _discard_corrupt(self, key: bytes, reason: str) -> None:
+        path = self.path_for(key)
+        with self._lock:
+            try:
+                if os.stat(path).st_ino != getattr(self._tls, "inode", None):
+                    return  # replaced by a fresh write since we read it: keep the new file
+                os.replace(path, self.quarantine_dir / f"{path.stem}.{time.time_ns()}{SUFFIX}")
+            except FileNotFoundError:
+                pass
+            if self._lru.pop(key) is not None:
+                self._append_index(DELETE, key, 0)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            if self._lru.pop(key) is None:
+                return False
+            self._append_index(DELETE, key, 0)
+            self.path_for(key).unlink(missing_ok=True)
+            return True
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._lru
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return self._lru.keys()
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return self._lru.total, len(self._lru)
+
+    def extra_stats(self) -> dict[str, Any]:
+        return {"path": str(self.root), "quarantine_files": sum(1 for _ in self.quarantine_dir.iterdir())}
+
+    def reconcile(self) -> int:
+        """Adopt complete chunk files the index does not name (lost index tail) and forget index
+        entries whose file is gone; return how many entries changed. Reads file headers only."""
+        with self._lock:
+            by_name = {chunk_name(k): k for k in self._lru.keys()}
+        changed = 0
+        on_disk: set[str] = set()
+        for sub in os.scandir(self.chunks_dir):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                name = entry.name[: -len(SUFFIX)]
+                on_disk.add(name)
+                if name not in by_name and entry.name.endswith(SUFFIX):
+                    changed += self._adopt(Path(entry.path))
+        for name, key in by_name.items():
+            if name not in on_disk:
+                with self._lock:
+                    if self._lru.get(key) is not None and not self.path_for(key).exists():
+                        self._lru.pop(key)
+                        self._append_index(DELETE, key, 0)
+                        changed += 1
+        return changed
+
+    def _adopt(self, path: Path) -> int:
+        with open(path, "rb") as f:
+            key = parse_prefix(f.read(FILE_HEADER.size + 2048))
+        if key is None or self.path_for(key) != path:
+            os.replace(path, self.quarantine_dir / f"{path.stem}.{time.time_ns()}{SUFFIX}")
+            self.counters.add("quarantined")
+            return 0
+        with self._lock:
+            if key in self._lru:
+                return 0
+            size = path.stat().st_size
+            self._lru.add(key, size)
+            self._append_index(PUT, key, size)
+        return 1
+
+    def _reconcile_quietly(self) -> None:
+        try:
+            adopted = self.reconcile()
+        except OSError as exc:
+            log.warning("tier %s: reconcile stopped: %s", self.name, exc)
+            return
+        if adopted:
+            log.info("tier %s: reconcile repaired %d index entries", self.name, adopted)
+
+    def close(self) -> None:
+        if self._lock_fd < 0:
+            return  # closed already
+        if self._reconciler.is_alive():
+            self._reconciler.join()
+        with self._lock:
+            try:
+                if self._index.records:  # the next open reads one snapshot, no records
+                    self._compact_locked()
+                self._index.sync()
+                (self.root / CLEAN_MARKER).touch()  # the index is complete: no scan at next open
+            except OSError as exc:
+                log.warning("tier %s: index not compacted at close: %s", self.name, exc)
+            self._index.close()
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+
+    def _take_clean_marker(self) -> bool:
+        """Whether the last owner closed cleanly; the marker is removed (durably) so that a crash
+        of this process is seen as one by the next."""
+        marker = self.root / CLEAN_MARKER
+        try:
+            marker.unlink()
+        except FileNotFoundError:
+            return False
+        _fsync_dir(self.root)
+        return True
+
+    def _clear_tmp(self) -> None:
+        for entry in os.scandir(self.tmp_dir):
+            os.unlink(entry.path)  # torn writes and half-evicted victims from a killed process
+
+
+def _write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
