@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fixture": ("kvshrink.fixtures.cli", "build the SmolLM2 bf16 checkpoint and real-KV samples"),
     "codec-bench": ("kvshrink.benchmarks.codec_bench", "KV Shrink codec vs zstd, numcodecs, lz4, deflate, ZipNN on real KV"),
     "store-bench": ("kvshrink.benchmarks.store_bench", "benchmark the tiered store: SSD bytes/token, get_many across tiers, 100k-chunk reopen"),
+    "index": ("kvshrink.index.cli", "global KV index: serve it (HTTP + ZMQ KV events), or query a running one"),
+    "router": ("kvshrink.plugins.router_launcher", "run production-stack's router (vllm_router) with the KVShrink tier-aware routing logic"),
 }
 
 

@@ -166,7 +166,8 @@ class VLLMServer(ManagedProcess):
 
     def __init__(self, model: Path | str, *, port: int | None = None, max_model_len: int = 8192,
                  kv_transfer_config: Mapping[str, Any] | None = None, kv_events_config: Mapping[str, Any] | None = None,
-                 served_model_name: str | None = None, kv_cache_space_gb: int = 2, extra_args: Sequence[str] = (),
+                 served_model_name: str | None = None, kv_cache_space_gb: int = 2, prefix_caching: bool = False,
+                 log_stats: bool = False, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, log_path: Path | None = None, python: str = sys.executable) -> None:
         self.port = port or free_port()
         self.model = str(model)
@@ -174,8 +175,10 @@ class VLLMServer(ManagedProcess):
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", LOOPBACK,
                 "--port", str(self.port), "--served-model-name", self.served_model_name,
                 "--max-model-len", str(max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.3",
-                # vLLM's own prefix cache would hide what LMCache does
-                "--no-enable-prefix-caching", "--disable-log-stats"]
+                # Off by default: vLLM's own prefix cache would hide what LMCache does.
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if not log_stats:  # stats feed vLLM's Prometheus load metrics (what routers and the index scrape)
+            argv.append("--disable-log-stats")
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if kv_events_config is not None:

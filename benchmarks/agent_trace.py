@@ -1,0 +1,186 @@
+"""Synthetic agent trace: many interleaved multi-turn sessions whose context keeps growing.
+
+Shape (token ids, not text; deterministic for a seed)::
+
+    turn 1 prompt = system prompt + tool definitions (shared by every session using that agent)
+                    + first user message
+    turn k prompt = turn k-1 prompt + turn k-1 assistant output + tool output + user message
+
+so every prompt extends the previous prompt of its session, and all sessions of an agent share the
+same opening ``system_tokens`` tokens. ``concurrency`` sessions are in flight at once: each slot
+runs sessions back to back, and turns of different slots interleave by their arrival time
+(previous turn's nominal duration + a think / tool time). Consumers may replay ``arrival_s``
+open-loop, or use ``think_s`` to issue a session's next turn after its previous one finished
+(closed loop, what ``routing_sim`` does).
+
+    from kvshrink.benchmarks.agent_trace import TraceConfig, generate
+    for req in generate(TraceConfig(sessions=64, turns=8, seed=1)):
+        req.token_ids, req.max_tokens, req.session_id, req.turn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    sessions: int = 256
+    turns: int = 12  # mean turns per session (each session draws 0.5x..1.5x)
+    tokens_per_turn: int = 600  # mean tool output + user message tokens appended per turn
+    concurrency: int = 64  # sessions in flight at once
+    seed: int = 0
+    system_tokens: int = 3000  # shared system prompt + tool definitions per agent
+    agents: int = 2  # distinct system prompts; a session uses one
+    output_tokens: int = 150  # mean assistant tokens per turn (appended to the next prompt)
+    first_user_tokens: int = 300
+    vocab_size: int = 49152
+    think_s: float = 2.0  # mean tool / user time between a reply and the next turn
+    nominal_turn_s: float = 3.0  # assumed turn duration, only to lay out arrival_s
+
+
+@dataclass(frozen=True)
+class AgentRequest:
+    session_id: int
+    turn: int  # 0-based
+    agent: int
+    token_ids: np.ndarray = field(repr=False)  # int32, the whole prompt
+    new_tokens: int  # tokens appended since the previous turn's prompt (whole prompt on turn 0)
+    shared_tokens: int  # leading tokens shared with every session of the same agent
+    reply_tokens: int  # how many of the new tokens are the previous turn's assistant reply (0 on turn 0)
+    max_tokens: int  # assistant tokens to generate (the trace appends its own to the next prompt)
+    arrival_s: float  # open-loop arrival time
+    think_s: float  # wait after the previous turn of this session completed (closed loop)
+    last_turn: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.token_ids.size)
+
+
+def _jitter(rng: np.random.Generator, mean: float, spread: float = 0.5) -> int:
+    return max(1, int(round(mean * rng.uniform(1 - spread, 1 + spread))))
+
+
+def generate_sessions(cfg: TraceConfig) -> list[list[AgentRequest]]:
+    """Every session's turns in order (arrival times laid out by slot)."""
+    if min(cfg.sessions, cfg.turns, cfg.concurrency, cfg.agents) < 1:
+        raise ValueError("sessions, turns, concurrency and agents must be >= 1")
+    rng = np.random.default_rng(cfg.seed)
+    systems = [rng.integers(0, cfg.vocab_size, cfg.system_tokens, dtype=np.int32) for _ in range(cfg.agents)]
+    slot_clock = [float(rng.uniform(0, cfg.nominal_turn_s)) for _ in range(cfg.concurrency)]
+    sessions: list[list[AgentRequest]] = []
+    for sid in range(cfg.sessions):
+        slot = sid % cfg.concurrency
+        agent = int(rng.integers(cfg.agents))
+        n_turns = _jitter(rng, cfg.turns)
+        prompt = np.concatenate([systems[agent], rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.first_user_tokens),
+                                                              dtype=np.int32)])
+        new, reply = prompt.size, 0
+        turns = []
+        for turn in range(n_turns):
+            think = float(rng.exponential(cfg.think_s)) if turn else 0.0
+            slot_clock[slot] += think
+            out = _jitter(rng, cfg.output_tokens)
+            turns.append(AgentRequest(sid, turn, agent, prompt, new, cfg.system_tokens, reply, out, slot_clock[slot],
+                                      think, turn == n_turns - 1))
+            slot_clock[slot] += cfg.nominal_turn_s
+            appended = np.concatenate([rng.integers(0, cfg.vocab_size, out, dtype=np.int32),
+                                       rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.tokens_per_turn),
+                                                    dtype=np.int32)])
+            new, reply = appended.size, out
+            prompt = np.concatenate([prompt, appended])
+        sessions.append(turns)
+    return sessions
+
+
+def generate(cfg: TraceConfig) -> list[AgentRequest]:
+    """All requests, interleaved by arrival time."""
+    return sorted((r for s in generate_sessions(cfg) for r in s), key=lambda r: (r.arrival_s, r.session_id))
+
+
+def summarize(requests: list[AgentRequest]) -> dict:
+    prompt = np.array([r.prompt_tokens for r in requests])
+    # tokens no cache can serve: what each turn appends besides the previous reply (whose KV the
+    # engine computed while decoding), the private part of first turns, and each agent's shared
+    # prefix the first time it is seen
+    fresh = sum(r.new_tokens - r.reply_tokens - (r.shared_tokens if r.turn == 0 else 0) for r in requests)
+    fresh += sum(r.shared_tokens for r in {r.agent: r for r in requests if r.turn == 0}.values())
+    return {"requests": len(requests), "sessions": len({r.session_id for r in requests}),
+            "prompt_tokens_total": int(prompt.sum()), "prompt_tokens_mean": float(prompt.mean()),
+            "prompt_tokens_max": int(prompt.max()),
+            "reusable_fraction": float(1 - fresh / prompt.sum())}  # hit rate of an ideal infinite cache
+
+
+# -- RAG-style mode: shared documents in varying order (non-prefix reuse, for KV Fuse) -------------
+@dataclass(frozen=True)
+class RagConfig:
+    requests: int = 64
+    documents: int = 32  # the shared corpus that requests retrieve from
+    doc_tokens: int = 1200  # mean tokens per document (each draws 0.5x..1.5x)
+    docs_per_request: int = 4
+    popularity: float = 1.1  # Zipf exponent of document popularity (0 = uniform)
+    system_tokens: int = 400  # shared system prompt at the front of every request
+    question_tokens: int = 80  # mean private question tokens at the end
+    max_tokens: int = 64
+    vocab_size: int = 49152
+    mean_gap_s: float = 0.5  # mean open-loop gap between arrivals
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RagRequest:
+    request_id: int
+    token_ids: np.ndarray = field(repr=False)  # int32: system prompt + documents in this order + question
+    doc_ids: tuple[int, ...]  # documents in prompt order
+    doc_spans: tuple[tuple[int, int], ...]  # [start, end) of each document in token_ids
+    max_tokens: int
+    arrival_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.token_ids.size)
+
+
+def generate_rag(cfg: RagConfig) -> list[RagRequest]:
+    """Requests that each retrieve ``docs_per_request`` shared documents (popular ones more often)
+    and place them in a random order, so the same document's KV appears after different prefixes."""
+    if min(cfg.requests, cfg.documents, cfg.docs_per_request) < 1 or cfg.docs_per_request > cfg.documents:
+        raise ValueError("requests, documents and docs_per_request must be >= 1, docs_per_request <= documents")
+    rng = np.random.default_rng(cfg.seed)
+    system = rng.integers(0, cfg.vocab_size, cfg.system_tokens, dtype=np.int32)
+    docs = [rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.doc_tokens), dtype=np.int32) for _ in range(cfg.documents)]
+    weights = 1.0 / np.arange(1, cfg.documents + 1) ** cfg.popularity
+    weights /= weights.sum()
+    clock, out = 0.0, []
+    for rid in range(cfg.requests):
+        chosen = rng.choice(cfg.documents, size=cfg.docs_per_request, replace=False, p=weights)
+        rng.shuffle(chosen)
+        parts, spans, pos = [system], [], system.size
+        for d in chosen:
+            spans.append((pos, pos + docs[d].size))
+            parts.append(docs[d])
+            pos += docs[d].size
+        parts.append(rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.question_tokens), dtype=np.int32))
+        clock += float(rng.exponential(cfg.mean_gap_s))
+        out.append(RagRequest(rid, np.concatenate(parts), tuple(int(d) for d in chosen), tuple(spans),
+                              cfg.max_tokens, clock))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in TraceConfig.__dataclass_fields__.values():
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    args = parser.parse_args(argv)
+    cfg = TraceConfig(**{k: getattr(args, k) for k in TraceConfig.__dataclass_fields__})
+    print(json.dumps({"config": asdict(cfg), **summarize(generate(cfg))}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""The Host → Blocks view: which instance holds which prefix block, on which tier, LRU-capped.
+
+Every block (a chained prefix hash, see ``hashing``) maps to four instance bitmasks, one per tier
+(GPU, DRAM, SSD, remote): bit ``i`` set in mask ``t`` means instance ``i`` holds the block on
+tier ``t``. A lookup therefore walks a prompt's blocks with a handful of integer operations per
+block whatever the number of instances.
+
+Blocks arrive through *feeds*: one event stream for one instance (a vLLM publisher, an LMCache
+emitter). A feed maps the engine's opaque key of each block it reported to our block hash, so that
+removals and parents can be resolved, and remembers which tiers it feeds, so that resetting the
+stream (restart, ``AllBlocksCleared``, unrecoverable gap) clears exactly what it contributed.
+
+Memory is bounded: past ``max_blocks`` entries the least recently stored/accessed block is
+forgotten for every instance (lookups do not refresh recency); each feed's key map is capped at
+``max_blocks`` keys too, oldest first (a well-behaved engine reports removals, which keeps it at
+the size of its cache). A key may outlive its evicted block; it still resolves a parent correctly.
+Not thread-safe: the owner (``state.IndexState``) serializes access with one lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Hashable, Iterable
+
+TIERS = ("gpu", "dram", "ssd", "remote")
+TIER_INDEX = {name: i for i, name in enumerate(TIERS)}
+Segment = tuple[int, tuple[int, int, int, int]]  # (end block, per-tier instance masks)
+
+
+@dataclass(eq=False)
+class Feed:
+    """One event stream of one instance; owns the engine-key → block-hash map of that stream."""
+
+    feed_id: int
+    instance_bit: int
+    name: str
+    mask: int = 0  # 1 << instance_bit
+    key_map: dict[Hashable, int] = field(default_factory=dict)
+    tiers_fed: int = 0  # bitmask over TIERS this feed ever reported
+
+
+@dataclass
+class StoreOutcome:
+    stored: int = 0
+    conflicts: int = 0  # engine key already mapped to another block hash in this feed
+
+
+class BlockIndex:
+    """Entries are packed into one int per block — ``gpu | dram << W | ssd << 2W | remote << 3W``
+    with ``W = width`` (max instances) — so a million blocks are a million ints: no per-block
+    container for the garbage collector to scan, ~3x less memory than a list per block."""
+
+    def __init__(self, max_blocks: int, width: int = 256) -> None:
+        if max_blocks <= 0 or width <= 0:
+            raise ValueError("max_blocks and width must be positive")
+        self.max_blocks = max_blocks
+        self.width = width
+        self._full = (1 << width) - 1
+        self._entries: OrderedDict[int, int] = OrderedDict()  # block hash -> packed tier masks
+        self._next_feed_id = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def masks_of(self, block_hash: int) -> tuple[int, int, int, int] | None:
+        packed = self._entries.get(block_hash)
+        return None if packed is None else self._unpack(packed)
+
+    def _unpack(self, packed: int) -> tuple[int, int, int, int]:
+        w, full = self.width, self._full
+        return packed & full, packed >> w & full, packed >> 2 * w & full, packed >> 3 * w
+
+    def _instance_bits(self, mask: int, tiers: Iterable[int]) -> int:
+        out = 0
+        for t in tiers:
+            out |= mask << t * self.width
+        return out
+
+    # -- feeds --------------------------------------------------------------------------------
+
+    def open_feed(self, instance_bit: int, name: str) -> Feed:
+        if not 0 <= instance_bit < self.width:
+            raise ValueError(f"instance bit {instance_bit} outside [0, {self.width})")
+        feed = Feed(self._next_feed_id, instance_bit, name, mask=1 << instance_bit)
+        self._next_feed_id += 1
+        return feed
+
+    def clear_feed(self, feed: Feed) -> int:
+        """Forget everything ``feed`` reported (its tiers on its instance); returns blocks touched."""
+        keep = ~self._instance_bits(feed.mask, (t for t in range(4) if feed.tiers_fed >> t & 1))
+        touched = 0
+        entries = self._entries
+        for block_hash in set(feed.key_map.values()):
+            packed = entries.get(block_hash)
+            if packed is None:
+                continue
+            touched += 1
+            packed &= keep
+            if packed:
+                entries[block_hash] = packed
+            else:
+                del entries[block_hash]
+        feed.key_map.clear()
+        return touched
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def store(self, feed: Feed, engine_keys: Iterable[Hashable], block_hashes: Iterable[int],
+              tier: int) -> StoreOutcome:
+        """Record that ``feed``'s instance holds these blocks on ``tier``."""
+        bit = feed.mask << tier * self.width
+        feed.tiers_fed |= 1 << tier
+        entries, key_map = self._entries, feed.key_map
+        get, move = entries.get, entries.move_to_end
+        stored = conflicts = 0
+        for engine_key, block_hash in zip(engine_keys, block_hashes):
+            previous = key_map.get(engine_key)
+            if previous is not None and previous != block_hash:
+                conflicts += 1  # the key meant another block: that one is no longer known to be held
+                old = get(previous)
+                if old is not None:
+                    old &= ~bit
+                    if old:
+                        entries[previous] = old
+                    else:
+                        del entries[previous]
+            packed = get(block_hash)
+            if packed is None:
+                entries[block_hash] = bit
+            else:
+                entries[block_hash] = packed | bit
+                move(block_hash)
+            key_map[engine_key] = block_hash
+            stored += 1
+        if len(entries) > self.max_blocks:
+            for _ in range(len(entries) - self.max_blocks):
+                entries.popitem(last=False)
+                self.evictions += 1
+        excess = len(key_map) - self.max_blocks
+        if excess > 0:
+            for key in list(islice(key_map, excess)):
+                del key_map[key]
+        return StoreOutcome(stored, conflicts)
+
+    def remove(self, feed: Feed, engine_keys: Iterable[Hashable], tier: int | None) -> tuple[int, int]:
+        """Clear ``tier`` (``None``: every tier the feed feeds) for these blocks; (removed, unknown)."""
+        removed = unknown = 0
+        tiers = [tier] if tier is not None else [t for t in range(4) if feed.tiers_fed >> t & 1]
+        keep = ~self._instance_bits(feed.mask, tiers)
+        mine = self._instance_bits(feed.mask, range(4))
+        entries, key_map = self._entries, feed.key_map
+        for engine_key in engine_keys:
+            block_hash = key_map.get(engine_key)
+            if block_hash is None:
+                unknown += 1
+                continue
+            removed += 1
+            packed = entries.get(block_hash)
+            if packed is None:
+                del key_map[engine_key]
+                continue
+            packed &= keep
+            if not packed & mine:
+                del key_map[engine_key]
+            if packed:
+                entries[block_hash] = packed
+            else:
+                del entries[block_hash]
+        return removed, unknown
+
+    def touch(self, feed: Feed, engine_keys: Iterable[Hashable]) -> int:
+        """Refresh LRU recency of blocks ``feed`` reports as accessed; returns how many were known."""
+        known = 0
+        for engine_key in engine_keys:
+            block_hash = feed.key_map.get(engine_key)
+            if block_hash is not None and block_hash in self._entries:
+                self._entries.move_to_end(block_hash)
+                known += 1
+        return known
+
+    def block_hash_of(self, feed: Feed, engine_key: Hashable) -> int | None:
+        return feed.key_map.get(engine_key)
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def walk(self, block_hashes: list[int], candidates: int) -> list[Segment]:
+        """The consecutive cached prefix of ``block_hashes``, as segments of identical holders.
+
+        Segment ``(end_block, (gpu, dram, ssd, remote))`` covers the blocks from the previous
+        segment's end to ``end_block``; bit ``i`` of the ``t``-th mask means candidate instance
+        ``i`` holds every block of the segment, fastest on tier ``t``. An instance's matched prefix
+        ends with the last segment naming it. Consecutive blocks with the same holders (the usual
+        case) cost one dict lookup and one list comparison each.
+        """
+        segments: list[Segment] = []
+        active = candidates
+        prev_raw: int | None = None
+        w, w2, w3, full = self.width, 2 * self.width, 3 * self.width, self._full
+        cur: tuple[int, int, int, int] | None = None
+        n = 0
+        get = self._entries.get
+        for block_hash in block_hashes:
+            raw = get(block_hash)
+            if raw is None:
+                break
+            if raw != prev_raw:
+                g, d, s, r = raw & full, raw >> w & full, raw >> w2 & full, raw >> w3
+                held = (g | d | s | r) & active
+                if held != active:
+                    active = held
+                    if not active:
+                        break
+                bg = g & active
+                bd = d & active & ~bg
+                bs = s & active & ~(bg | bd)
+                new = (bg, bd, bs, active & ~(bg | bd | bs))
+                if new != cur:
+                    if cur is not None:
+                        segments.append((n, cur))
+                    cur = new
+                prev_raw = raw
+            n += 1
+        if cur is not None and n:
+            segments.append((n, cur))
+        return segments
