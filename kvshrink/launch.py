@@ -183,7 +183,10 @@ class VLLMServer(ManagedProcess):
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if kv_events_config is not None:
             argv += ["--kv-events-config", json.dumps(kv_events_config)]
+        # vLLM CPU reserves one more core whenever a KV connector is configured; on small machines that
+        # leaves the model one thread fewer than plain vLLM and makes every comparison unfair.
         base_env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gb), "PYTHONHASHSEED": "0",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
                     "LMCACHE_DISABLE_BANNER": "1", "TOKENIZERS_PARALLELISM": "false"}
         super().__init__(argv + list(extra_args), env={**base_env, **(env or {})}, log_path=log_path)
 

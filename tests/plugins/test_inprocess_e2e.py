@@ -1,0 +1,133 @@
+"""End to end: vLLM CPU + LMCacheConnectorV1 + the kvshrink plugin, real SmolLM2, real LMCache.
+
+A ~2K-token prompt is sent twice; LMCache's own log lines must show the first request stored and
+the second retrieved whole chunks, and the greedy tokens must equal plain vLLM's, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from kvshrink.benchmarks.inprocess_cpu import (
+    DEFAULT_CONFIG,
+    LMCacheActivity,
+    greedy_token_ids,
+    in_process_server,
+    prompt_token_ids,
+)
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_TOKENS = 2200
+CHUNK = 256
+WHOLE_CHUNK_TOKENS = PROMPT_TOKENS // CHUNK * CHUNK  # 2048: LMCache keeps whole chunks only
+# vLLM CPU reserves one more core when a KV connector is set; give both servers the same threads.
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+
+    return ensure_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return prompt_token_ids(PROMPT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(model: Path, prompt: list[int]) -> list[int]:
+    """Greedy output of vLLM without any KV connector."""
+    from kvshrink.launch import VLLMServer
+
+    with VLLMServer(model, env=SERVER_ENV) as server:
+        server.start()
+        return greedy_token_ids(server.url, server.served_model_name, prompt)
+
+
+def _serve_twice(server, prompt: list[int]) -> tuple[list[list[int]], list[LMCacheActivity]]:
+    outputs, activity = [], []
+    with server:
+        server.start()
+        for _ in range(2):
+            outputs.append(greedy_token_ids(server.url, server.served_model_name, prompt))
+            activity.append(LMCacheActivity.from_log(server.log_path.read_text(errors="replace")))
+    return outputs, activity
+
+
+def _assert_stored_then_retrieved(activity: list[LMCacheActivity]) -> None:
+    first, second = activity
+    assert first.hit_tokens == [0] and first.retrieved_tokens == []
+    assert first.stored_tokens == [WHOLE_CHUNK_TOKENS]
+    assert second.hit_tokens == [0, WHOLE_CHUNK_TOKENS]
+    assert second.retrieved_tokens == [WHOLE_CHUNK_TOKENS]
+
+
+def test_second_request_is_served_from_lmcache_and_matches_plain_vllm(model, prompt, plain_tokens, tmp_path) -> None:
+    server = in_process_server(model, DEFAULT_CONFIG, log_path=tmp_path / "vllm.log", env=SERVER_ENV)
+    outputs, activity = _serve_twice(server, prompt)
+    log = server.log_path.read_text(errors="replace")
+    assert "KVShrink CPU connector installed into LMCache" in log
+    assert "CPU connector bound to 30 KV layers" in log
+    _assert_stored_then_retrieved(activity)
+    assert outputs == [plain_tokens, plain_tokens]
+
+
+def _chunk_files(directory: Path, count: int, timeout: float = 60.0) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(directory.rglob("*.pt"))
+        if len(files) >= count:
+            return files
+        time.sleep(0.5)
+    return sorted(directory.rglob("*.pt"))
+
+
+def test_unset_hash_seed_still_hits_and_stores_the_models_kv(model, prompt, plain_tokens, tmp_path) -> None:
+    """PYTHONHASHSEED unset: the plugin seeds vLLM's processes. LMCache's disk copy is checked against
+    the K and V that Hugging Face transformers computes for the same tokens (the real-KV fixture):
+    only a connector that reads vLLM CPU's packed pages correctly stores the model's KV."""
+    from kvshrink.fixtures.real_kv import real_kv
+
+    disk = tmp_path / "lmcache-disk"
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config.update({"local_disk": f"file://{disk}/", "max_local_disk_size": 1.0})
+    config_file = tmp_path / "lmcache.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+
+    server = in_process_server(model, config_file, seed=None, log_path=tmp_path / "vllm.log", env=SERVER_ENV)
+    assert "PYTHONHASHSEED" not in server.env
+    outputs, activity = _serve_twice(server, prompt)
+    assert "PYTHONHASHSEED was unset" in server.log_path.read_text(errors="replace")
+    _assert_stored_then_retrieved(activity)
+    assert outputs == [plain_tokens, plain_tokens]
+
+    reference = real_kv("code", WHOLE_CHUNK_TOKENS).view(np.uint16)  # [2, 30, 2048, 192] bf16 bits
+    chunks = [reference[:, :, i:i + CHUNK] for i in range(0, WHOLE_CHUNK_TOKENS, CHUNK)]
+    files = _chunk_files(disk, len(chunks))
+    assert len(files) == len(chunks)
+    matched = []
+    for path in files:
+        stored = np.fromfile(path, dtype=np.uint16)
+        assert stored.size == chunks[0].size, f"{path.name}: {stored.size} values"
+        errors = [_relative_error(stored.reshape(chunks[0].shape), chunk) for chunk in chunks]
+        best = int(np.argmin(errors))
+        print(f"{path.name[-24:]}: chunk {best}, relative L2 error vs transformers {errors[best]:.4f}")
+        assert errors[best] < 0.05
+        matched.append(best)
+    assert sorted(matched) == list(range(len(chunks)))
+
+
+def _relative_error(bf16_bits: np.ndarray, reference_bits: np.ndarray) -> float:
+    def as_float(bits: np.ndarray) -> np.ndarray:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    a, b = as_float(bf16_bits), as_float(reference_bits)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
