@@ -81,25 +81,47 @@ class ManagedProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
-        """Send ``sig`` to the process group, wait, then SIGKILL what is left."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down gracefully: SIGTERM to the leader only, so that it stops its own children and
+        they release what they hold (vLLM's shared-memory queues are unlinked on a clean shutdown).
+        The leader gets ``timeout`` seconds; what is left of the group is then ended stage by stage."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            _signal_group(self.proc.pid, sig)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=timeout)
-        _signal_group(self.proc.pid, signal.SIGKILL)  # children that outlived their parent
+                logger.warning("%s did not stop within %.0f s; killing its process group", self.name, timeout)
+        self._end_group()
+        self._close_log()
+
+    def kill(self) -> None:
+        """``kill -9`` the whole group at once: a crash, not a shutdown."""
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self._close_log()
+
+    def _end_group(self, grace: float = 5.0) -> None:
+        """Children that outlive the leader get ``grace`` seconds to exit, then SIGTERM, then SIGKILL."""
+        assert self.proc is not None
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                _signal_group(self.proc.pid, sig)
+            deadline = time.monotonic() + grace
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _group_alive(self.proc.pid):
+                break
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+
+    def _close_log(self) -> None:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def kill(self) -> None:
-        """``kill -9`` the whole group: a crash, not a shutdown."""
-        self.stop(timeout=10.0, sig=signal.SIGKILL)
 
     def __enter__(self):
         return self
@@ -113,6 +135,19 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process of the group remains; reads /proc, since a container's
+    init may never reap the zombies that ``killpg(pgid, 0)`` would still count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "comm)": state, ppid, pgrp
+            return True
+    return False
 
 
 def _http_ok(url: str) -> bool:
