@@ -13,10 +13,11 @@ reads ``extract_session_id(request, request_json)`` for its logs.
 ``router_launcher`` wraps it in a ``SessionRouter`` subclass (so the router awaits it) and injects
 it. Per request it:
 
-1. asks the index ``POST /lookup`` with the prompt (completions ``prompt`` as text or token ids,
-   or chat ``messages``), the router's own live load per backend (in-flight requests from
-   ``request_stats``, else queued + running from ``engine_stats``) and the candidate URLs, under
-   a tight deadline (default 50 ms); the index answers best first, cache tiers and load included;
+1. asks the index ``POST /lookup`` with the prompt (completions ``prompt`` as text or token ids —
+   the ids sent as ``token_bytes``, see :func:`token_bytes_b64` — or chat ``messages``), the
+   router's own live load per backend (in-flight requests from ``request_stats``, else queued +
+   running from ``engine_stats``) and the candidate URLs, under a tight deadline (default 50 ms);
+   the index answers best first, cache tiers and load included;
 2. if the index is slow, down or answers nothing usable: session affinity (rendezvous hash of the
    session id over the candidate URLs) when the request carries a session id (header or body key
    ``session_key``), else the least-loaded backend. After a failure the index is skipped for
@@ -28,9 +29,12 @@ environment (Python ≥ 3.12) with ``pip install --no-deps`` of this project plu
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import hashlib
 import logging
+import sys
 import time
 from collections import Counter
 from typing import Any, Mapping, Sequence
@@ -69,9 +73,28 @@ def lookup_body(request_json: Mapping[str, Any], model: str) -> dict[str, Any] |
     prompt = request_json.get("prompt")
     if isinstance(prompt, str):
         return {"model": model, "prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return {"model": model, "token_ids": prompt}
-    return None  # batched prompts, embeddings inputs...: nothing to match
+    if isinstance(prompt, list) and prompt:
+        packed = token_bytes_b64(prompt)
+        if packed is not None:
+            return {"model": model, "token_bytes": packed}
+    return None  # batched prompts, embeddings inputs, ids outside uint32...: nothing to match
+
+
+def token_bytes_b64(token_ids: list[Any]) -> str | None:
+    """Token ids as base64 of little-endian uint32 — the index's ``token_bytes`` form; ``None`` if
+    one is not an integer in [0, 2**32).
+
+    Why not a JSON list: the index decodes 32K JSON integers into 32K Python ints in ~1.3 ms (and
+    ``json.dumps`` here takes longer still); base64 of the same 128 KiB decodes in ~0.1 ms
+    (measured on a 2-core VM).
+    """
+    try:
+        ids = array.array("I", token_ids)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder == "big":  # pragma: no cover - no big-endian machine here
+        ids.byteswap()
+    return base64.b64encode(ids.tobytes()).decode("ascii")
 
 
 class KVShrinkRoutingLogic:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 from typing import Any
@@ -109,9 +110,11 @@ def create_app(config: IndexConfig, *, start_subscriber: bool = True) -> FastAPI
             subscriber.start()
             state.on_new_events_endpoint = subscriber.connect
             logger.info("KV events: bound %s", subscriber.bound)
+        freeze_gc()
         try:
             yield
         finally:
+            gc.unfreeze()  # at exit, the interpreter's last collections see everything again
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -144,6 +147,8 @@ def create_app(config: IndexConfig, *, start_subscriber: bool = True) -> FastAPI
 
     @app.post("/lookup")
     async def post_lookup(request: Request) -> Response:
+        # The lookup runs inline on the event loop: it is ~1 ms of GIL-bound work, which a worker
+        # thread would not parallelise, and the hop (to_thread) would add two thread switches.
         req: LookupRequest = await read(request, "lookup", LookupRequest)
         forms = ("token_ids", "token_bytes", "prompt", "messages")
         given = [name for name in forms if getattr(req, name) is not None]
@@ -242,6 +247,21 @@ def create_app(config: IndexConfig, *, start_subscriber: bool = True) -> FastAPI
         return _json({"ok": True})
 
     return app
+
+
+def freeze_gc() -> None:
+    """Take everything alive at start-up, the block index included, out of the collector's sight.
+
+    The block index is one ``OrderedDict`` of up to ``max_blocks`` ints: the ints are not tracked,
+    but the dict is, and each collection of its generation traverses every entry — ~60 ms per
+    million blocks, on whichever lookup or event batch triggers it (measured: 60 ms gen-0 pauses
+    during lookups on a 500k-block index). ``gc.freeze`` moves every object alive now to a
+    generation that is never collected; objects created later are collected as usual. The
+    lifespan unfreezes at shutdown; until then, in a process that runs more than the service
+    (tests), what existed at start-up is not collected as cyclic garbage.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def _read_capped(request: Request, cap: int) -> bytes:

@@ -1,9 +1,14 @@
 """Lookup: per instance, the cached prefix of a prompt by tier, and a score that weighs it against load.
 
 For every block size the model's instances use (vLLM blocks, LMCache chunks) the prompt's chained
-block hashes are walked through the index; an instance's matched prefix is the longest run of
+block hashes are looked up in the index; an instance's matched prefix is the longest run of
 consecutive blocks it holds from the start, each block counted on the fastest tier holding it.
 When several block sizes cover the same instance the per-token best tier wins.
+
+Cost (a 32K-token prompt, 64 instances): hashing 2048 blocks is the one per-block Python loop
+left; lookups and run detection run in C (``BlockIndex.prefix_runs``), and everything per
+instance — holders, tiers, scores, ranking — is a handful of numpy operations over a
+``[runs, instances]`` matrix, not Python loops over instances × blocks.
 
 Score of instance ``i`` for a prompt of ``N`` tokens (weights from ``scoring`` in the YAML)::
 
@@ -28,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import xxhash
 
-from kvshrink.index.block_index import TIERS, Segment
+from kvshrink.index.block_index import TIERS, BlockIndex
 from kvshrink.index.config import ScoringConfig
 from kvshrink.index.hashing import chain_hashes, root_hash, token_bytes
 from kvshrink.index.state import IndexState
@@ -36,7 +41,7 @@ from kvshrink.index.state import IndexState
 Run = tuple[int, int, int]  # (start token, end token, tier index)
 
 
-@dataclass
+@dataclass(slots=True)
 class InstanceScore:
     instance_id: str
     url: str | None
@@ -66,6 +71,48 @@ class LookupResult:
                 "elapsed_ms": round(self.elapsed_s * 1e3, 3), "instances": [s.as_dict() for s in self.instances]}
 
 
+@dataclass
+class Coverage:
+    """What one block size says about a prompt, per candidate instance ``k``: the fastest tier holding
+    each run of blocks along its consecutive cached prefix (``tier[r, k]``, -1 once that prefix ended)."""
+
+    ends: np.ndarray  # [runs] token offset where each run ends
+    tier: np.ndarray  # [runs, candidates]
+
+    def tier_tokens(self) -> np.ndarray:
+        """``[candidates, 4]``: tokens of each one's prefix on each tier (their sum: its matched length)."""
+        candidates = self.tier.shape[1]
+        slot = (self.tier + 1) + 5 * np.arange(candidates)  # 5 slots per candidate: none, gpu, dram, ssd, remote
+        lengths = np.repeat(np.diff(self.ends, prepend=0), candidates)
+        counts = np.bincount(slot.ravel(), weights=lengths, minlength=5 * candidates)
+        return counts.reshape(candidates, 5)[:, 1:].astype(np.int64)
+
+    def runs(self, k: int) -> list[Run]:
+        """Candidate ``k``'s prefix as (start, end, tier) runs: what ``merge_runs`` combines."""
+        runs: list[Run] = []
+        start = 0
+        for end, tier in zip(self.ends.tolist(), self.tier[:, k].tolist()):
+            if tier < 0:
+                break
+            if runs and runs[-1][2] == tier:
+                runs[-1] = (runs[-1][0], end, tier)
+            else:
+                runs.append((start, end, tier))
+            start = end
+        return runs
+
+
+def cover(index: BlockIndex, block_hashes: Sequence[int], bits: Sequence[int], block_size: int) -> Coverage | None:
+    """The :class:`Coverage` of a prompt's ``block_hashes`` for the instances with these ``bits``;
+    ``None`` if nobody holds its first block. Caller holds the state lock."""
+    packed, blocks = index.prefix_runs(block_hashes)
+    if not packed:
+        return None
+    fastest = index.fastest_tiers(packed, bits)  # [runs, candidates]
+    alive = np.logical_and.accumulate(fastest >= 0, axis=0)  # still on its consecutive prefix
+    return Coverage(np.cumsum(blocks) * block_size, np.where(alive, fastest, -1))
+
+
 def merge_runs(run_lists: Sequence[Sequence[Run]]) -> list[Run]:
     """Union of several consecutive-from-0 coverages; each token keeps the fastest tier offered."""
     if len(run_lists) == 1:
@@ -83,35 +130,6 @@ def merge_runs(run_lists: Sequence[Sequence[Run]]) -> list[Run]:
     return merged
 
 
-def segment_counts(segments: Sequence[Segment], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per instance bit: matched blocks ``[width]`` and blocks per tier ``[4, width]``."""
-    ends = np.fromiter((end for end, _ in segments), dtype=np.int64, count=len(segments))
-    lengths = np.diff(ends, prepend=0)
-    nbytes = (width + 7) // 8
-    raw = b"".join(m.to_bytes(nbytes, "little") for _, masks in segments for m in masks)
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8).reshape(len(segments), 4, nbytes), axis=2,
-                         bitorder="little")[:, :, :width]
-    tiers = np.einsum("s,stw->tw", lengths, bits)
-    matched = (ends[:, None] * bits.any(axis=1)).max(axis=0)
-    return matched, tiers
-
-
-def runs_of(segments: Sequence[Segment], bit: int, block_size: int) -> list[Run]:
-    """One instance's coverage from the walk's segments, in tokens."""
-    runs: list[Run] = []
-    start = 0
-    for end, masks in segments:
-        tier = next((t for t, m in enumerate(masks) if m >> bit & 1), None)
-        if tier is None:
-            break
-        if runs and runs[-1][2] == tier:
-            runs[-1] = (runs[-1][0], end * block_size, tier)
-        else:
-            runs.append((start * block_size, end * block_size, tier))
-        start = end
-    return runs
-
-
 def tokens_per_tier(runs: Sequence[Run]) -> list[int]:
     counts = [0, 0, 0, 0]
     for start, end, tier in runs:
@@ -119,22 +137,48 @@ def tokens_per_tier(runs: Sequence[Run]) -> list[int]:
     return counts
 
 
+def combine(coverages: Sequence[Coverage], n_candidates: int) -> tuple[list[int], list[list[int]]]:
+    """Per candidate: matched tokens and tokens per tier over every block size.
+
+    An instance covered by one block size (the usual case) takes its numbers as they are; one
+    covered by several gets the per-token fastest tier any of them offers (``merge_runs``).
+    """
+    if not coverages:
+        return [0] * n_candidates, [[0, 0, 0, 0] for _ in range(n_candidates)]
+    tiers = np.stack([c.tier_tokens() for c in coverages])  # [sizes, candidates, 4]
+    matched = tiers.sum(axis=2)  # [sizes, candidates]
+    # one block size covers most candidates: summing over sizes picks that one (or zeros)
+    matched_tokens, tier_tokens = matched.sum(axis=0).tolist(), tiers.sum(axis=0).tolist()
+    if len(coverages) > 1:
+        covering = matched > 0
+        for k in np.flatnonzero(covering.sum(axis=0) > 1).tolist():
+            runs = merge_runs([c.runs(k) for c, covers in zip(coverages, covering[:, k]) if covers])
+            matched_tokens[k], tier_tokens[k] = runs[-1][1], tokens_per_tier(runs)
+    return matched_tokens, tier_tokens
+
+
 def score_instances(prompt_tokens: int, candidates: list[InstanceScore], cfg: ScoringConfig,
                     tiebreak_seed: int = 0) -> list[InstanceScore]:
-    """Fill ``score`` / ``overloaded`` and return the candidates best first (see module doc)."""
+    """Fill ``weighted_tokens`` / ``score`` / ``overloaded`` and return the candidates best first (see
+    module doc); computed as arrays over all candidates at once."""
     if not candidates:
         return []
     n = max(1, prompt_tokens)
-    mean_load = sum(c.load for c in candidates) / len(candidates)
-    weights = [cfg.tier_weights[t] for t in TIERS]
-    for c in candidates:
-        c.weighted_tokens = sum(w * k for w, k in zip(weights, c.tier_tokens))
-        rel_load = (c.load - mean_load) / max(1.0, mean_load)
-        c.score = (cfg.hit_length_weight * c.matched_tokens / n + cfg.media_speed_weight * c.weighted_tokens / n
-                   - cfg.load_weight * rel_load)
-        c.overloaded = c.load > cfg.overload_factor * mean_load + 1.0
-    return sorted(candidates, key=lambda c: (c.overloaded, -c.score, c.load,
-                                             xxhash.xxh3_64_intdigest(c.instance_id.encode(), tiebreak_seed)))
+    matched = np.array([c.matched_tokens for c in candidates], dtype=np.float64)
+    tier_tokens = np.array([c.tier_tokens for c in candidates], dtype=np.float64).reshape(len(candidates), 4)
+    load = np.array([c.load for c in candidates], dtype=np.float64)
+    weighted = tier_tokens @ np.array([cfg.tier_weights[t] for t in TIERS])
+    mean_load = float(load.mean())
+    score = (cfg.hit_length_weight * matched / n + cfg.media_speed_weight * weighted / n
+             - cfg.load_weight * (load - mean_load) / max(1.0, mean_load))
+    overloaded = load > cfg.overload_factor * mean_load + 1.0
+    tiebreak = np.array([xxhash.xxh3_64_intdigest(c.instance_id.encode(), tiebreak_seed) for c in candidates],
+                        dtype=np.uint64)
+    for c, w, s, o in zip(candidates, weighted.tolist(), score.tolist(), overloaded.tolist()):
+        c.weighted_tokens, c.score, c.overloaded = w, s, o
+    # lexsort's last key is its primary one: not overloaded first, then best score, lower load, tie-break hash
+    order = np.lexsort((tiebreak, load, -score, overloaded))
+    return [candidates[i] for i in order.tolist()]
 
 
 def lookup(state: IndexState, model: str, token_ids: Sequence[int] | bytes, loads: Mapping[str, float] | None = None,
@@ -146,11 +190,8 @@ def lookup(state: IndexState, model: str, token_ids: Sequence[int] | bytes, load
     with state.lock:
         sizes = state.lookup_block_sizes(model)
         candidates = state.registry.candidates(model, only)
-        mask = 0
-        for inst in candidates:
-            mask |= inst.mask
-        width = max((inst.bit for inst in candidates), default=-1) + 1
-        spaces: list[tuple[int, list[Segment], list[int], list[list[int]]]] = []
+        bits = [inst.bit for inst in candidates]
+        coverages: list[Coverage] = []
         seed = 0
         hashed_sizes = set(sizes) | ({state.chunk_size} if state.tier_events_seen else set())
         for bs in sorted(hashed_sizes):
@@ -160,31 +201,19 @@ def lookup(state: IndexState, model: str, token_ids: Sequence[int] | bytes, load
                 seed = hashes[0]
             if bs == state.chunk_size:  # lets LMCache chunks of this prompt find their prefix later
                 state.learn_positions(data, bs, root, hashes)
-            if bs not in sizes or not mask or not hashes:
-                continue
-            segments = state.index.walk(hashes, mask)
-            if segments:
-                matched, tiers = segment_counts(segments, width)
-                spaces.append((bs, segments, (matched * bs).tolist(), (tiers * bs).T.tolist()))
-        scored = []
-        for inst in candidates:
-            b = inst.bit
-            covering = [sp for sp in spaces if sp[2][b] > 0]
-            if not covering:
-                matched_tokens, tier_tokens = 0, [0, 0, 0, 0]
-            elif len(covering) == 1:
-                matched_tokens, tier_tokens = covering[0][2][b], covering[0][3][b]
-            else:  # several block sizes cover it: per token, the fastest tier any of them offers
-                runs = merge_runs([runs_of(segments, b, bs) for bs, segments, _, _ in covering])
-                matched_tokens, tier_tokens = runs[-1][1], tokens_per_tier(runs)
-            scored.append(InstanceScore(inst.instance_id, inst.url, matched_tokens, tier_tokens, 0.0,
-                                        _load_for(inst, loads)))
+            if bs in sizes and bits and hashes:
+                coverage = cover(state.index, hashes, bits, bs)
+                if coverage is not None:
+                    coverages.append(coverage)
+        matched, tier_tokens = combine(coverages, len(candidates))
+        scored = [InstanceScore(inst.instance_id, inst.url, m, t, 0.0, _load_for(inst, loads))
+                  for inst, m, t in zip(candidates, matched, tier_tokens)]
     result = LookupResult(model, n_tokens, sizes, score_instances(n_tokens, scored, state.config.scoring, seed))
     result.elapsed_s = time.perf_counter() - started
     m = state.metrics
     m.lookups.inc()
     m.lookup_seconds.observe(result.elapsed_s)
-    m.hit_tokens.observe(max((s.matched_tokens for s in result.instances), default=0))
+    m.hit_tokens.observe(max(matched, default=0))
     return result
 
 
@@ -194,4 +223,3 @@ def _load_for(inst, loads: Mapping[str, float] | None) -> float:
             if key is not None and key in loads:
                 return float(loads[key])
     return inst.load
-

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from index_helpers import MODEL, make_config
@@ -103,6 +105,47 @@ def test_gpu_blocks_and_lmcache_chunks_combine():
     _store(state, "i0", PROMPT[:256], block_size=256, tier=DRAM)
     by = _by_id(lookup(state, MODEL, PROMPT))
     assert by["i0"].matched_tokens == 256 and by["i0"].tier_tokens == [128, 128, 0, 0]
+
+
+def _reference_tokens(state: IndexState, inst_id: str, tokens, sizes) -> tuple[int, list[int]]:
+    """Matched tokens and tokens per tier the slow, obvious way: block by block, token by token."""
+    bit = state.registry.get(inst_id).bit
+    offered: dict[int, list[int]] = {}  # token position -> fastest tier per block size covering it
+    for bs in sizes:
+        for i, block_hash in enumerate(prefix_hashes(tokens, MODEL, bs)):
+            masks = state.index.masks_of(block_hash)
+            tier = next((t for t, m in enumerate(masks or ()) if m >> bit & 1), None)
+            if tier is None:
+                break  # its consecutive prefix at this block size ends here
+            for pos in range(i * bs, (i + 1) * bs):
+                offered.setdefault(pos, []).append(tier)
+    per_tier, pos = [0, 0, 0, 0], 0
+    while pos in offered:
+        per_tier[min(offered[pos])] += 1
+        pos += 1
+    return pos, per_tier
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lookup_matches_a_block_by_block_reference(seed):
+    rnd = random.Random(seed)
+    state = _state()
+    tokens = [rnd.randrange(49152) for _ in range(rnd.randrange(64, 700))]
+    sizes = rnd.sample([16, 32, 64], rnd.randint(1, 2))
+    for _ in range(rnd.randrange(4, 16)):  # prefixes and holes on random instances and tiers
+        inst = state.registry.get(f"i{rnd.randrange(4)}")
+        bs = rnd.choice(sizes)
+        hashes = prefix_hashes(tokens, MODEL, bs)
+        end = rnd.randint(1, len(hashes))
+        start = 0 if rnd.random() < 0.7 else rnd.randrange(end)
+        feed = state.feed(inst, f"f{bs}")
+        if rnd.random() < 0.8:
+            state.index.store(feed, hashes[start:end], hashes[start:end], rnd.randrange(4))
+        else:
+            state.index.remove(feed, hashes[start:end], rnd.choice([None, rnd.randrange(4)]))
+        state.note_block_size(MODEL, bs)
+    for inst in lookup(state, MODEL, tokens).instances:
+        assert (inst.matched_tokens, inst.tier_tokens) == _reference_tokens(state, inst.instance_id, tokens, sizes)
 
 
 def test_lru_cap_bounds_memory():

@@ -160,8 +160,11 @@ def test_index_errors_and_unknown_backends_fall_back(start_index):
 
 def test_helpers():
     assert lookup_body({"prompt": "x"}, "m") == {"model": "m", "prompt": "x"}
-    assert lookup_body({"prompt": [1, 2]}, "m") == {"model": "m", "token_ids": [1, 2]}
+    # token ids travel as base64 little-endian uint32 (the index's cheapest JSON form)
+    assert lookup_body({"prompt": [1, 2]}, "m") == {"model": "m", "token_bytes": "AQAAAAIAAAA="}
     assert lookup_body({"prompt": [[1], [2]]}, "m") is None
+    assert lookup_body({"prompt": [1, -2]}, "m") is None and lookup_body({"prompt": [2**32]}, "m") is None
+    assert lookup_body({"prompt": [1.5]}, "m") is None and lookup_body({"prompt": []}, "m") is None
     loads = backend_loads(URLS, {URLS[1]: EngineStats(2, 3)}, {URLS[0]: RequestStats(1, 1)})
     assert loads == {URLS[0]: 2.0, URLS[1]: 5.0, URLS[2]: 0.0}
     keys = [f"s{i}" for i in range(300)]
