@@ -4,7 +4,8 @@ production-stack's router is not installable from the package registries CI uses
 call the logic exactly as ``vllm_router`` does (``await route_request(endpoints, engine_stats,
 request_stats, request, request_json)``, verified on its source) with objects carrying the same
 attributes as its ``EndpointInfo`` / ``RequestStats`` / ``EngineStats`` and a real Starlette request.
-``test_router_live.py`` runs the real router where it is installed.
+``test_index_vllm_e2e.py::test_production_stack_router_routes_by_index`` runs the real router where
+it is installed (``KVSHRINK_ROUTER_PYTHON``).
 """
 
 from __future__ import annotations
