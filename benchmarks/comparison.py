@@ -1,0 +1,182 @@
+"""Side-by-side figures that are only ever reported when both sides ran the same workload.
+
+Every benchmark side (stock LMCache or KVShrink) returns a :class:`SideRun`: the figures it
+measured plus the :class:`Workload` it *actually* consumed — fingerprints of the trace (token ids
+or data bytes), of the model (checkpoint or KV layout) and the budget read back from the objects
+it built. :func:`compare` is the only way to make a :class:`Comparison` and raises
+:class:`IncomparableError` when the two workloads differ, naming what differs; the report checks
+each row again (:func:`check_rows`) so a hand-edited or merged JSON cannot slip one through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from kvshrink.errors import KVShrinkError
+
+STOCK = "stock LMCache"
+OURS = "KVShrink"
+
+
+class IncomparableError(KVShrinkError):
+    """The two sides of a comparison did not run on the same trace, model and budget."""
+
+
+def digest(*parts: Any) -> str:
+    """A short stable hex digest of bytes, numpy arrays, strings or JSON-able values."""
+    h = hashlib.sha256()
+    for part in parts:
+        if hasattr(part, "tobytes"):  # numpy arrays, torch tensors via .numpy()
+            h.update(str(getattr(part, "dtype", "")).encode())
+            h.update(str(getattr(part, "shape", "")).encode())
+            h.update(part.tobytes())
+        elif isinstance(part, (bytes, bytearray, memoryview)):
+            h.update(bytes(part))
+        elif isinstance(part, str):
+            h.update(part.encode())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+def trace_fingerprint(requests: Iterable[Any]) -> str:
+    """Fingerprint of a request sequence: order, session, turn and every token id."""
+    h = hashlib.sha256()
+    count = 0
+    for req in requests:
+        ids = getattr(req, "token_ids", req)
+        h.update(f"{getattr(req, 'session_id', '')}:{getattr(req, 'turn', '')}:".encode())
+        h.update(_int_bytes(ids))
+        count += 1
+    return f"{count}req-{h.hexdigest()[:16]}"
+
+
+def _int_bytes(ids: Any) -> bytes:
+    import numpy as np
+
+    return np.asarray(ids, dtype=np.int64).tobytes()
+
+
+def model_fingerprint(checkpoint: Path) -> str:
+    """Fingerprint of a Hugging Face checkpoint folder: config and every weight file's bytes."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(checkpoint).iterdir() if p.suffix in {".json", ".safetensors"})
+    if not files:
+        raise IncomparableError(f"{checkpoint} holds no config or weights to fingerprint")
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both sides must share. ``budget`` is read back from what was built, not from flags."""
+
+    trace: str
+    model: str
+    budget: Mapping[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        return digest(self.trace, self.model, dict(self.budget))
+
+    def differences(self, other: "Workload") -> list[str]:
+        out = []
+        if self.trace != other.trace:
+            out.append(f"trace {self.trace} != {other.trace}")
+        if self.model != other.model:
+            out.append(f"model {self.model} != {other.model}")
+        if dict(self.budget) != dict(other.budget):
+            out.append(f"budget {dict(self.budget)} != {dict(other.budget)}")
+        return out
+
+
+@dataclass
+class SideRun:
+    """One side's figures on one workload."""
+
+    side: str
+    workload: Workload
+    figures: dict[str, float]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def scoped(self, prefix: str) -> "SideRun":
+        """The figures named ``prefix...`` (prefix dropped), same side and workload."""
+        return SideRun(self.side, self.workload, {k[len(prefix):]: v for k, v in self.figures.items()
+                                                  if k.startswith(prefix)})
+
+
+@dataclass(frozen=True)
+class Metric:
+    """How to read a figure: its unit and which direction is better."""
+
+    name: str
+    unit: str
+    higher_is_better: bool = True
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One table row: the same metric on both sides of one workload."""
+
+    section: str
+    case: str  # e.g. "budget 1.5 GB" or "4K tokens, warm DRAM"
+    metric: str
+    unit: str
+    higher_is_better: bool
+    stock: float
+    ours: float
+    stock_fingerprint: str
+    ours_fingerprint: str
+
+    @property
+    def ratio(self) -> float:
+        """ours / stock (inf when stock is 0 and ours is not; nan when both are 0)."""
+        if self.stock == 0:
+            return math.nan if self.ours == 0 else math.inf
+        return self.ours / self.stock
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": _json_float(self.ratio)}
+
+
+def compare(section: str, case: str, stock: SideRun, ours: SideRun, metrics: Sequence[Metric]) -> list[Comparison]:
+    """Rows for ``metrics``; refuses (IncomparableError) unless both sides ran the same workload."""
+    if stock.side != STOCK or ours.side != OURS:
+        raise IncomparableError(f"{section}/{case}: expected sides ({STOCK!r}, {OURS!r}), got "
+                                f"({stock.side!r}, {ours.side!r})")
+    diff = stock.workload.differences(ours.workload)
+    if diff:
+        raise IncomparableError(f"{section}/{case}: refusing to compare runs on different workloads: "
+                                + "; ".join(diff))
+    rows = []
+    for metric in metrics:
+        missing = [s.side for s in (stock, ours) if metric.name not in s.figures]
+        if missing:
+            raise IncomparableError(f"{section}/{case}: {metric.name!r} was not measured by {', '.join(missing)}")
+        rows.append(Comparison(section, case, metric.name, metric.unit, metric.higher_is_better,
+                               float(stock.figures[metric.name]), float(ours.figures[metric.name]),
+                               stock.workload.fingerprint, ours.workload.fingerprint))
+    return rows
+
+
+def check_rows(rows: Iterable[Mapping[str, Any]]) -> None:
+    """Re-check serialized rows before they are shown: both fingerprints present and equal."""
+    for row in rows:
+        a, b = row.get("stock_fingerprint"), row.get("ours_fingerprint")
+        if not a or a != b:
+            raise IncomparableError(f"{row.get('section')}/{row.get('case')}/{row.get('metric')}: the two sides "
+                                    f"ran different workloads ({a} vs {b}); not reporting it")
+
+
+def _json_float(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

@@ -1,0 +1,405 @@
+"""End to end on vLLM CPU + SmolLM2: TTFT cold / warm-DRAM / warm-SSD, and a multi-turn agent replay.
+
+Real processes: ``lmcache server`` (MP mode) with an L2 adapter — stock LMCache's ``fs`` adapter
+or our ``KVShrinkL2Adapter`` over the shipped store config — and one vLLM OpenAI server attached
+to it (``kvshrink.launch``); TTFT is the first streamed token (``kvshrink.streaming_client``).
+
+One vLLM serves both sides in turn: each side gets a fresh cache server on the same port (vLLM's
+MP connector re-registers with it), so both sides meet the same warmed-up engine. vLLM's own
+prefix cache is off, so every hit is LMCache's. After each cache-server start we wait until vLLM
+has registered again (its heartbeat, every ``heartbeat_s``, notices the server went away and came
+back; cache-server /status confirms it) and send one throwaway request before anything is timed.
+Per context length (prompts are distinct slices of real text):
+
+* cold: first request; then stores are allowed to settle (cache server status);
+* warm DRAM: the same prompt again (LMCache L1), median of ``warm_repeats``;
+* warm L2: L1 cleared (``POST /cache/clear``) before each request, so the chunks come from the L2
+  adapter: our DRAM tier vs stock ``fs`` (page cache); median of ``warm_repeats``;
+* warm SSD: after a cache-server restart (L1 empty; our shared-memory DRAM tier removed too, so
+  our hits come from the SSD tier like stock's come from its ``fs`` directory).
+
+Whether a warm request really hit is read from LMCache's own lookup counters (``/metrics``: hit
+tokens in L1 and L2, via ``kvshrink.storage_backends.mp_observe``) and reported next to the times.
+The agent replay runs a small agent trace (sequentially, in arrival order) on a fresh cache server
+with a small L1, and reports total prefill time (sum of TTFT) and prompt tokens per second.
+Absolute times are indicative only on a shared CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG
+from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, model_fingerprint
+from kvshrink.errors import KVShrinkError
+
+ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
+ADAPTER_CLASS = "KVShrinkL2Adapter"
+SERVED_NAME = "smollm2"
+BYTES_PER_TOKEN = 2 * 30 * 192 * 2  # SmolLM2 KV, bf16
+CHUNK_TOKENS = 256
+SCENARIOS = ("cold", "warm_dram", "warm_l2", "warm_ssd")
+SERVER_ENV = {"LMCACHE_LOG_LEVEL": "INFO"}  # full logs from the servers, whatever this process uses
+_throwaways = itertools.count()
+
+
+def throwaway_prompt() -> list[int]:
+    """A fresh 300-token prompt (more than one chunk, never seen before): the first request to a
+    (re)started cache server goes through its whole store path before anything is timed."""
+    import numpy as np
+
+    return np.random.default_rng(1_000_003 + next(_throwaways)).integers(1000, 40000, 300).tolist()
+
+
+@dataclass(frozen=True)
+class E2ESettings:
+    lengths: tuple[int, ...] = (1024, 4096, 8000)
+    warm_repeats: int = 2
+    max_tokens: int = 8
+    l1_size_gb: float = 1.0
+    agent_l1_size_gb: float = 0.12  # below the agent trace's KV, so the replay also reads from L2
+    agent_sessions: int = 3
+    agent_turns: int = 3
+    agent_system_tokens: int = 1500
+    agent_tokens_per_turn: int = 500
+    settle_timeout_s: float = 60.0
+    request_timeout_s: float = 300.0
+    heartbeat_s: float = 1.0  # vLLM's MP connector pings the cache server this often (LMCache default 10)
+    seed: int = 0
+
+
+@dataclass
+class Prompts:
+    """Every prompt a side sends, in order; identical for both sides."""
+
+    by_length: dict[int, list[int]]
+    agent: list[Any] = field(default_factory=list)  # AgentRequest
+
+    def fingerprint(self, settings: E2ESettings) -> str:
+        parts = [self.by_length[n] for n in sorted(self.by_length)]
+        parts += [list(map(int, r.token_ids)) for r in self.agent]
+        return digest(*[digest(p) for p in parts], settings.max_tokens, settings.warm_repeats)
+
+
+def build_prompts(checkpoint: Path, settings: E2ESettings) -> Prompts:
+    """Distinct slices of real text per length (no shared prefixes), plus the agent trace."""
+    from transformers import AutoTokenizer
+
+    from kvshrink.benchmarks.agent_trace import TraceConfig, generate
+    from kvshrink.fixtures.real_kv import corpus_text
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    code = tokenizer(corpus_text("code")).input_ids
+    by_length, offset = {}, 0
+    for n in settings.lengths:
+        if offset + n > len(code):
+            raise KVShrinkError(f"the code corpus has {len(code)} tokens, not enough for prompts of {settings.lengths}")
+        by_length[n] = code[offset:offset + n]
+        offset += n
+    trace = TraceConfig(sessions=settings.agent_sessions, turns=settings.agent_turns,
+                        concurrency=settings.agent_sessions, system_tokens=settings.agent_system_tokens,
+                        tokens_per_turn=settings.agent_tokens_per_turn, output_tokens=settings.max_tokens,
+                        first_user_tokens=200, agents=1, seed=settings.seed)
+    agent = [r for r in generate(trace)] if settings.agent_sessions else []
+    return Prompts(by_length=by_length, agent=agent)
+
+
+# -- the cache server of each side ----------------------------------------------------------------
+def stock_adapter(workdir: Path) -> dict[str, Any]:
+    return {"type": "fs", "base_path": str(workdir / "lmcache-fs")}
+
+
+def ours_adapter(workdir: Path, template: Path, tag: str, capacity_bytes: int) -> tuple[dict[str, Any], str]:
+    """Our adapter over the shipped store config, with private paths; returns (spec, shm name)."""
+    import yaml
+
+    from kvshrink.store.config import parse_size
+
+    data = yaml.safe_load(Path(template).read_text())
+    tiers, shm = [], f"kvshrink-e2e-{tag}"
+    for tier in data["tiers"]:
+        tier = dict(tier)
+        if tier["kind"] == "dram":
+            shipped = parse_size(tier.get("capacity", capacity_bytes), "capacity")
+            tier.update(shm_name=shm, capacity=min(shipped, capacity_bytes))
+        elif tier["kind"] == "ssd":
+            tier.update(path=str(workdir / "kvshrink-ssd"), capacity=capacity_bytes)
+        else:
+            continue
+        tiers.append(tier)
+    store = {**data, "tiers": tiers}
+    return ({"type": "plugin", "module_path": ADAPTER_MODULE, "class_name": ADAPTER_CLASS,
+             "adapter_params": {"store": store}}, shm)
+
+
+class HitMeter:
+    """LMCache's own lookup counters (``/metrics``) around one request: hit tokens, L1 / L2 split."""
+
+    def __init__(self, server: Any) -> None:
+        self.url = server.http_url
+
+    @contextlib.contextmanager
+    def measure(self, into: dict[str, float]) -> Iterator[None]:
+        from kvshrink.storage_backends.mp_observe import cache_counters
+
+        before = cache_counters(self.url)
+        yield
+        delta = cache_counters(self.url) - before
+        into.update(hit_tokens=delta.hit_tokens, l1_hit_tokens=delta.l1_hit_tokens,
+                    l2_hit_tokens=delta.l2_hit_tokens)
+
+
+def clear_l1(server: Any) -> None:
+    """Empty LMCache's L1 so the next hit has to come from the L2 adapter."""
+    import httpx
+
+    httpx.post(f"{server.http_url}/cache/clear", json={"tier": "l1"}, timeout=30).raise_for_status()
+
+
+def wait_settled(server: Any, timeout: float) -> None:
+    """Until the cache server has no store in flight (twice in a row)."""
+    deadline, quiet = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        controller = server.status().get("storage_manager", {}).get("store_controller", {})
+        busy = controller.get("pending_keys_count", 0) + controller.get("in_flight_task_count", 0)
+        quiet = quiet + 1 if busy == 0 else 0
+        if quiet >= 2:
+            return
+        time.sleep(0.25)
+    raise KVShrinkError(f"cache server stores still in flight after {timeout:.0f} s")
+
+
+@dataclass
+class Side:
+    """One side's cache server configuration (the same L2 folders across its restarts)."""
+
+    name: str
+    adapter: dict[str, Any]
+    shm_name: str | None
+    workdir: Path
+
+    def wait_persisted(self, server: Any, chunks: int, timeout: float) -> None:
+        """Until at least ``chunks`` chunks are on disk and the L2 side is idle, twice in a row
+        (stock: ``.data`` files of its fs adapter; ours: the store's SSD tier and work queues)."""
+        deadline, steady, last = time.monotonic() + timeout, 0, None
+        while time.monotonic() < deadline:
+            state = self._disk_state(server)
+            steady = steady + 1 if state[0] >= chunks and state[1] and state == last else 0
+            if steady >= 2:
+                return
+            last = state
+            time.sleep(0.25)
+        raise KVShrinkError(f"{self.name}: L2 not settled with {chunks} chunks on disk after {timeout:.0f} s "
+                            f"(last seen: {last})")
+
+    def _disk_state(self, server: Any) -> tuple[int, bool]:
+        """(chunks on disk, idle)."""
+        if self.name == STOCK:
+            return sum(1 for _ in Path(self.adapter["base_path"]).rglob("*.data")), True
+        from kvshrink.storage_backends.mp_observe import adapter_status
+
+        status = adapter_status(server.http_url)
+        engine = status["store"]["engine"]
+        idle = not status["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
+        ssd = [t for t in status["store"]["tiers"].values() if t["kind"] == "ssd"]
+        return sum(t["chunks"] for t in ssd), idle
+
+    def drop_dram_tier(self) -> None:
+        if self.shm_name:
+            with contextlib.suppress(FileNotFoundError):
+                (Path("/dev/shm") / self.shm_name).unlink()
+
+
+@contextlib.contextmanager
+def cache_server(side: Side, port: int, l1_size_gb: float, log_dir: Path, vllm_url: str | None = None,
+                 settings: E2ESettings | None = None) -> Iterator[Any]:
+    """A cache server for ``side``; with ``vllm_url``, ready only once vLLM has registered with it."""
+    from kvshrink.launch import LMCacheServer
+    from kvshrink.storage_backends.mp_observe import wait_for_engine
+
+    log = log_dir / f"lmcache-{'stock' if side.name == STOCK else 'ours'}-{time.strftime('%H%M%S')}.log"
+    server = LMCacheServer(port=port, l1_size_gb=l1_size_gb, l2_adapters=[side.adapter], log_path=log,
+                           env=SERVER_ENV)
+    try:
+        server.start()
+        if vllm_url is not None and settings is not None:
+            # vLLM re-registers its KV caches when its heartbeat sees the server come back
+            # (unhealthy -> healthy), and only then will lookups and stores work again
+            # (a request sent before that fails its store and can stall vLLM's engine)
+            wait_for_engine(server.http_url)
+            _request(vllm_url, throwaway_prompt(), settings)
+        yield server
+    finally:
+        server.stop()
+        if settings is not None:  # let vLLM's heartbeat see it gone, or it will not re-register
+            time.sleep(3 * settings.heartbeat_s)
+
+
+# -- measuring -------------------------------------------------------------------------------------
+def _request(vllm_url: str, prompt: Sequence[int], settings: E2ESettings) -> Any:
+    from kvshrink.streaming_client import stream_completion
+
+    return stream_completion(vllm_url, SERVED_NAME, list(prompt), max_tokens=settings.max_tokens,
+                             timeout=settings.request_timeout_s)
+
+
+def measure_side(side: Side, vllm_url: str, port: int, prompts: Prompts, settings: E2ESettings, log_dir: Path,
+                 progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Cold, warm-DRAM and warm-SSD TTFT per length, then the agent replay; raw records."""
+    records: dict[str, Any] = {"lengths": {}, "outputs": {}}
+    with cache_server(side, port, settings.l1_size_gb, log_dir, vllm_url, settings) as server:
+        meter = HitMeter(server)
+        for n, prompt in prompts.by_length.items():
+            progress(f"{n} cold")
+            cold_hits: dict[str, float] = {}
+            with meter.measure(cold_hits):
+                cold = _request(vllm_url, prompt, settings)
+            wait_settled(server, settings.settle_timeout_s)
+            warm, warm_hits = [], {}
+            for _ in range(settings.warm_repeats):
+                progress(f"{n} warm DRAM")
+                with meter.measure(warm_hits):
+                    warm.append(_request(vllm_url, prompt, settings))
+            l2, l2_hits = [], {}
+            for _ in range(settings.warm_repeats):
+                progress(f"{n} warm L2")
+                clear_l1(server)
+                with meter.measure(l2_hits):
+                    l2.append(_request(vllm_url, prompt, settings))
+            records["lengths"][n] = {"cold": cold.ttft_s, "cold_hits": cold_hits,
+                                     "warm_dram": statistics.median(r.ttft_s for r in warm),
+                                     "warm_dram_all": [r.ttft_s for r in warm], "warm_dram_hits": warm_hits,
+                                     "warm_l2": statistics.median(r.ttft_s for r in l2),
+                                     "warm_l2_all": [r.ttft_s for r in l2], "warm_l2_hits": l2_hits}
+            records["outputs"][n] = {"cold": cold.text, "warm": [r.text for r in warm + l2]}
+        wait_settled(server, settings.settle_timeout_s)
+        side.wait_persisted(server, sum(n // CHUNK_TOKENS for n in prompts.by_length), settings.settle_timeout_s)
+    side.drop_dram_tier()  # warm-SSD: only what survived on disk
+    with cache_server(side, port, settings.l1_size_gb, log_dir, vllm_url, settings) as server:
+        meter = HitMeter(server)
+        for n, prompt in prompts.by_length.items():
+            progress(f"{n} warm SSD")
+            hits: dict[str, float] = {}
+            with meter.measure(hits):
+                result = _request(vllm_url, prompt, settings)
+            records["lengths"][n].update(warm_ssd=result.ttft_s, warm_ssd_hits=hits)
+            records["outputs"][n]["warm_ssd"] = result.text
+    if prompts.agent:
+        records["agent"] = agent_replay(side, vllm_url, port, prompts.agent, settings, log_dir, progress)
+    return records
+
+
+def agent_replay(side: Side, vllm_url: str, port: int, requests: Sequence[Any], settings: E2ESettings,
+                 log_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The agent trace in arrival order, one request at a time, on a fresh server with a small L1."""
+    ttfts, totals, tokens, hits = [], [], 0, {}
+    with cache_server(side, port, settings.agent_l1_size_gb, log_dir, vllm_url, settings) as server:
+        with HitMeter(server).measure(hits):
+            for i, request in enumerate(requests):
+                progress(f"agent {i + 1}/{len(requests)}")
+                result = _request(vllm_url, list(map(int, request.token_ids)), settings)
+                ttfts.append(result.ttft_s)
+                totals.append(result.total_s)
+                tokens += int(request.token_ids.size)
+    return {"requests": len(requests), "prompt_tokens": tokens, "prefill_s": sum(ttfts), "wall_s": sum(totals),
+            "prompt_tokens_per_s": tokens / sum(ttfts), "hit_tokens": hits["hit_tokens"], "ttft_s": ttfts}
+
+
+def figures_of(records: dict[str, Any]) -> dict[str, float]:
+    """Flat figures: per length TTFTs, warm/cold ratios and hit tokens; agent totals."""
+    out: dict[str, float] = {}
+    for n, r in records["lengths"].items():
+        for scenario in SCENARIOS:
+            out[f"{n}.{scenario}_ttft_s"] = r[scenario]
+        out[f"{n}.warm_dram_over_cold"] = r["warm_dram"] / r["cold"]
+        out[f"{n}.warm_ssd_over_cold"] = r["warm_ssd"] / r["cold"]
+        out[f"{n}.warm_dram_hit_tokens"] = float(r["warm_dram_hits"]["hit_tokens"])
+        out[f"{n}.warm_l2_hit_tokens"] = float(r["warm_l2_hits"]["l2_hit_tokens"])
+        out[f"{n}.warm_ssd_hit_tokens"] = float(r["warm_ssd_hits"]["hit_tokens"])
+        out[f"{n}.warm_ssd_l2_hit_tokens"] = float(r["warm_ssd_hits"]["l2_hit_tokens"])
+    if "agent" in records:
+        a = records["agent"]
+        out.update({"agent.prefill_s": a["prefill_s"], "agent.prompt_tokens_per_s": a["prompt_tokens_per_s"],
+                    "agent.hit_tokens": float(a["hit_tokens"])})
+    return out
+
+
+def run(checkpoint: Path, settings: E2ESettings, template: Path = DEFAULT_STORE_CONFIG, log_dir: Path | None = None,
+        progress: Callable[[str], None] = lambda s: None) -> tuple[SideRun, SideRun]:
+    """Both sides against one vLLM; returns (stock, ours)."""
+    from kvshrink.launch import VLLMServer, free_port
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvshrink-e2e-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompts(checkpoint, settings)
+    total_tokens = sum(len(p) for p in prompts.by_length.values()) + sum(int(r.token_ids.size) for r in prompts.agent)
+    needed = total_tokens * BYTES_PER_TOKEN + (1 << 30)  # every chunk the run can write, raw, plus slack
+    port = free_port()
+    workdirs = [Path(tempfile.mkdtemp(prefix=f"kvshrink-e2e-{n}-")) for n in ("stock", "ours")]
+    spec, shm = ours_adapter(workdirs[1], template, workdirs[1].name.rsplit("-", 1)[-1], needed)
+    sides = [Side(STOCK, stock_adapter(workdirs[0]), None, workdirs[0]), Side(OURS, spec, shm, workdirs[1])]
+    model = model_fingerprint(checkpoint)
+    trace = prompts.fingerprint(settings)
+    connector = {"kv_connector": "LMCacheMPConnector",
+                 "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port,
+                                               "lmcache.mp.heartbeat_interval": settings.heartbeat_s}}
+    vllm = VLLMServer(checkpoint, kv_transfer_config=connector, served_model_name=SERVED_NAME,
+                      log_path=log_dir / "vllm.log", env=SERVER_ENV)
+    results = []
+    try:
+        # a cache server must be up while vLLM starts (it registers its KV caches at start-up)
+        with cache_server(sides[0], port, settings.l1_size_gb, log_dir, settings=settings):
+            progress("starting vLLM")
+            vllm.start()
+            # warm the engine before either side is timed; its first store also starts the MP
+            # connector's heartbeat, which is what re-registers vLLM after each cache-server restart
+            _request(vllm.url, throwaway_prompt(), settings)
+        for side in sides:
+            records = measure_side(side, vllm.url, port, prompts, settings, log_dir,
+                                   lambda s, n=side.name: progress(f"{n}: {s}"))
+            budget = {"l1_size_gb": settings.l1_size_gb, "agent_l1_size_gb": settings.agent_l1_size_gb,
+                      "l2_holds_every_chunk": _l2_holds(side, needed)}
+            results.append(SideRun(side.name, Workload(trace, model, budget), figures_of(records),
+                                   {"records": records, "adapter": side.adapter, "logs": str(log_dir)}))
+    finally:
+        vllm.stop()
+        for side in sides:
+            side.drop_dram_tier()
+        for workdir in workdirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+    stock, ours = results
+    _check_outputs(stock, ours)
+    return stock, ours
+
+
+def _l2_holds(side: Side, needed: int) -> bool:
+    """Stock fs is unbounded; ours must have been given room for every chunk the run writes."""
+    if side.name == STOCK:
+        return True
+    tiers = side.adapter["adapter_params"]["store"]["tiers"]
+    return max(int(t["capacity"]) for t in tiers) >= needed - (1 << 30)
+
+
+def _check_outputs(stock: SideRun, ours: SideRun) -> None:
+    """Greedy outputs must not depend on where the KV came from: record every disagreement."""
+    mismatches = []
+    for n, s_out in stock.details["records"]["outputs"].items():
+        o_out = ours.details["records"]["outputs"][n]
+        reference = s_out["cold"]
+        for label, text in [("stock warm", t) for t in s_out["warm"]] + [("stock warm_ssd", s_out["warm_ssd"]),
+                            ("ours cold", o_out["cold"]), ("ours warm_ssd", o_out["warm_ssd"])] + \
+                [("ours warm", t) for t in o_out["warm"]]:
+            if text != reference:
+                mismatches.append(f"{n} tokens, {label}: {text!r} != stock cold {reference!r}")
+    for run in (stock, ours):
+        run.details["output_mismatches"] = mismatches
+        run.figures["output_mismatches"] = float(len(mismatches))

@@ -1,0 +1,194 @@
+"""Store / load GB/s through an LMCache MP L2 adapter: ours vs LMCache's stock ``fs`` adapter.
+
+Adapters are built exactly as ``lmcache server`` / ``lmcache bench l2`` build them (the
+``--l2-adapter`` JSON through ``parse_args_to_l2_adapters_config`` and ``create_l2_adapter``) and
+timed with ``lmcache bench l2``'s own round runners (``bench_store`` / ``bench_load``). What we
+change is the data: ``lmcache bench l2`` fills each object with one repeated byte, which any
+compressor shrinks to nothing, so here every object holds a real SmolLM2 KV chunk (bf16
+[2, 30, 256, 192]) and every load is checked bit-exact against what was stored.
+
+Tiers: "dram" = stock ``fs`` on ``/dev/shm`` (tmpfs) vs our store's DRAM tier (shm arena);
+"ssd" = stock ``fs`` on a local directory vs our store's SSD tier, both as shipped (ours fsyncs,
+stock does not; SSD reads right after writes come from the page cache on both sides).
+"threads" = concurrent submits (``in_flight``) for both sides, and our adapter's worker threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG, ChunkPool
+from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest
+from kvshrink.errors import CorruptDataError, KVShrinkError
+
+if TYPE_CHECKING:
+    import torch
+
+ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
+ADAPTER_CLASS = "KVShrinkL2Adapter"
+TIERS = ("dram", "ssd")
+
+
+@dataclass(frozen=True)
+class ThroughputSettings:
+    keys_per_submit: int = 8
+    rounds: int = 3
+    warmup_rounds: int = 1
+
+
+def stock_adapter_spec(tier: str, workdir: Path) -> dict[str, Any]:
+    base = Path("/dev/shm") / workdir.name if tier == "dram" else workdir / "fs"
+    return {"type": "fs", "base_path": str(base)}
+
+
+def ours_adapter_spec(tier: str, workdir: Path, threads: int, capacity_bytes: int,
+                      template: Path = DEFAULT_STORE_CONFIG) -> dict[str, Any]:
+    """Our adapter over a one-tier store: the shipped config's tier of that kind."""
+    import yaml
+
+    data = yaml.safe_load(Path(template).read_text())
+    (tier_cfg,) = [dict(t) for t in data["tiers"] if t["kind"] == tier][:1] or [None]
+    if tier_cfg is None:
+        raise KVShrinkError(f"{template} has no {tier} tier to benchmark")
+    tier_cfg.update(capacity=capacity_bytes, put=True)
+    tier_cfg.pop("write_back", None)
+    if tier == "dram":
+        tier_cfg["shm_name"] = f"kvshrink-l2bench-{workdir.name}"
+    else:
+        tier_cfg["path"] = str(workdir / "kvshrink-ssd")
+    engine = {**data.get("engine", {}), "put_workers": threads, "read_workers": max(threads, 1)}
+    store = {"tiers": [tier_cfg], "engine": engine, "promote_on_hit": False}
+    return {"type": "plugin", "module_path": ADAPTER_MODULE, "class_name": ADAPTER_CLASS,
+            "adapter_params": {"store": store, "workers": threads}}
+
+
+@contextlib.contextmanager
+def l2_adapter(spec: dict[str, Any], l1_buffer: "torch.Tensor") -> Iterator[Any]:
+    """The adapter LMCache would build from ``--l2-adapter spec``."""
+    from lmcache.cli.commands.bench.l2_adapter_bench.data import create_l1_memory_desc
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
+    adapter = create_l2_adapter(config.adapters[0], l1_memory_desc=create_l1_memory_desc(l1_buffer))
+    try:
+        yield adapter
+    finally:
+        adapter.close()
+
+
+def kv_objects(buffer: "torch.Tensor", pool: Sequence["torch.Tensor"], count: int, offset: int,
+               first_chunk: int | None) -> list[Any]:
+    """``count`` bf16 KV MemoryObjs backed by ``buffer`` (the registered L1), filled from ``pool``
+    starting at chunk ``first_chunk`` (``None``: left as is, for load targets)."""
+    import torch
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    size = pool[0].numel() * pool[0].element_size()
+    objs = []
+    for i in range(count):
+        start = offset + i * size
+        raw = buffer[start:start + size]
+        if raw.numel() != size:
+            raise ValueError(f"L1 buffer too small for object {i}")
+        if first_chunk is not None:
+            raw.view(torch.int16).copy_(pool[(first_chunk + i) % len(pool)].reshape(-1).view(torch.int16))
+        meta = MemoryObjMetadata(shape=pool[0].shape, dtype=torch.bfloat16, address=start, phy_size=size,
+                                 fmt=MemoryFormat.KV_2LTD, ref_count=1)
+        objs.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
+    return objs
+
+
+def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
+            settings: ThroughputSettings) -> dict[str, float]:
+    """Store then load GB/s of ``rounds`` waves of ``threads`` x ``keys_per_submit`` real chunks."""
+    import torch
+    from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
+    from lmcache.cli.commands.bench.l2_adapter_bench.runner import bench_load, bench_store
+
+    size = pool[0].numel() * pool[0].element_size()
+    wave = threads * settings.keys_per_submit
+    buffer = torch.empty(2 * wave * size, dtype=torch.uint8)
+    rounds = settings.warmup_rounds + settings.rounds
+
+    def keys_for(r: int) -> list[list[Any]]:
+        return [make_object_keys(settings.keys_per_submit, key_offset=r * wave + i * settings.keys_per_submit)
+                for i in range(threads)]
+
+    def store_objs(r: int) -> list[list[Any]]:
+        return [kv_objects(buffer, pool, settings.keys_per_submit, i * settings.keys_per_submit * size,
+                           r * wave + i * settings.keys_per_submit) for i in range(threads)]
+
+    load_views: list[list[Any]] = []
+
+    def load_objs(r: int) -> list[list[Any]]:
+        load_views[:] = [kv_objects(buffer, pool, settings.keys_per_submit,
+                                    (wave + i * settings.keys_per_submit) * size, None) for i in range(threads)]
+        return load_views
+
+    quiet = (lambda _msg: None)
+    verified = 0
+    with l2_adapter(spec, buffer) as adapter:
+        store = bench_store(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, store_objs, quiet)
+        _check_complete("store", store)
+        load = bench_load(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, load_objs, quiet)
+        _check_complete("load", load)
+        # every round loads into the same buffers: check the last round's chunks bit-exact
+        for i, objs in enumerate(load_views):
+            for j, obj in enumerate(objs):
+                expect = pool[((rounds - 1) * wave + i * settings.keys_per_submit + j) % len(pool)]
+                if not torch.equal(obj.raw_data.view(torch.int16), expect.reshape(-1).view(torch.int16)):
+                    raise CorruptDataError(f"{spec['type']} adapter loaded wrong bytes for key {j} of submit {i}")
+                verified += 1
+    measured_store = store.round_durations[settings.warmup_rounds:]
+    measured_load = load.round_durations[settings.warmup_rounds:]
+    wave_bytes = wave * size
+    return {"store_gbps": wave_bytes * len(measured_store) / sum(measured_store) / 1e9,
+            "load_gbps": wave_bytes * len(measured_load) / sum(measured_load) / 1e9,
+            "verified_chunks": float(verified)}
+
+
+def _check_complete(op: str, result: Any) -> None:
+    expected = result.in_flight * result.num_keys
+    if result.timed_out_rounds or any(n != expected for n in result.success_counts):
+        raise KVShrinkError(f"{op}: {result.timed_out_rounds} rounds timed out, successes per round "
+                            f"{result.success_counts} of {expected}; no throughput reported for a partial run")
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
+             settings: ThroughputSettings, template: Path = DEFAULT_STORE_CONFIG) -> SideRun:
+    workdir = Path(tempfile.mkdtemp(prefix="kvshrink-l2bench-"))
+    size = pool[0].numel() * pool[0].element_size()
+    stored_bytes = (settings.warmup_rounds + settings.rounds) * threads * settings.keys_per_submit * size
+    try:
+        if side == STOCK:
+            spec = stock_adapter_spec(tier, workdir)
+        elif side == OURS:
+            spec = ours_adapter_spec(tier, workdir, threads, capacity_bytes=2 * stored_bytes + (256 << 20),
+                                     template=template)
+        else:
+            raise ValueError(f"unknown side {side!r}")
+        figures = measure(spec, pool, threads, settings)
+        if tier == "ssd":
+            on_disk = _tree_bytes(workdir)
+            tokens = stored_bytes // size * pool[0].shape[2]
+            figures["bytes_per_token_on_disk"] = on_disk / tokens
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(Path("/dev/shm") / workdir.name, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (Path("/dev/shm") / f"kvshrink-l2bench-{workdir.name}").unlink()
+    workload = Workload(trace=digest("l2-waves", settings.keys_per_submit, settings.rounds, settings.warmup_rounds),
+                        model=pool.fingerprint, budget={"tier": tier, "threads": threads})
+    return SideRun(side, workload, figures, {"adapter": spec["type"] if side == STOCK else ADAPTER_CLASS})

@@ -1,0 +1,254 @@
+"""Render a benchmark report: terminal table, PNG plots, and a README section.
+
+Everything here reads the report dict that ``suite`` writes as ``report.json``, so a table or a
+README section can be rendered again from a results folder without re-running anything. Rows are
+re-checked (:func:`~kvshrink.benchmarks.comparison.check_rows`) before they are shown, and a
+report with errors renders as its errors, never as a partial table.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from kvshrink.benchmarks.comparison import OURS, STOCK, IncomparableError, check_rows
+
+PLOT_FILES = {"hit_rate": "hit_rate_vs_budget.png", "ttft": "ttft_by_context.png", "codec": "ratio_vs_speed.png",
+              "throughput": "l2_throughput.png"}
+
+
+class ReportError(IncomparableError):
+    """The report cannot be shown as a result (it has errors, or rows that do not compare)."""
+
+
+# -- text -------------------------------------------------------------------------------------------
+def _fmt(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3f}" if magnitude < 1 else f"{value:.2f}"
+
+
+def _ratio_text(row: Mapping[str, Any]) -> str:
+    ratio = row.get("ratio")
+    if isinstance(ratio, str) or ratio is None:
+        return str(ratio)
+    better = (ratio >= 1) == bool(row["higher_is_better"])
+    return f"{ratio:.2f}x{'' if math.isclose(ratio, 1.0, rel_tol=0.02) else (' +' if better else ' -')}"
+
+
+def rows_of(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    rows = [row for section in report["sections"].values() for row in section.get("comparisons", [])]
+    check_rows(rows)
+    return rows
+
+
+def require_complete(report: Mapping[str, Any]) -> None:
+    if report.get("status") != "ok" or report.get("errors"):
+        raise ReportError("the run has errors; it is reported as its errors, not as a table:\n" + errors_text(report))
+
+
+def errors_text(report: Mapping[str, Any]) -> str:
+    lines = []
+    for err in report.get("errors", []):
+        lines.append(f"  [{err['section']}] {err['type']}: {err['message']}")
+    return "\n".join(lines) or "  (no error recorded, but the run is not marked ok)"
+
+
+def terminal_table(report: Mapping[str, Any]) -> str:
+    """The side-by-side table and the target checks; for a failed run, the errors instead."""
+    if report.get("status") != "ok" or report.get("errors"):
+        return (f"kvshrink bench FAILED ({len(report.get('errors', []))} error(s)); no table is reported for a run "
+                f"with errors.\n{errors_text(report)}\nFigures of the sections that finished are in "
+                f"{report.get('out_dir', 'the JSON report')} for debugging; rerun the failed part with --sections.")
+    rows = rows_of(report)
+    header = ("section", "case", "metric", STOCK, OURS, "ours/stock")
+    body = [(r["section"], r["case"], f"{r['metric']} [{r['unit']}]", _fmt(r["stock"]), _fmt(r["ours"]),
+             _ratio_text(r)) for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [_title(report), line(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    previous = None
+    for cells in body:
+        if previous is not None and cells[0] != previous:
+            out.append("")
+        out.append(line(cells))
+        previous = cells[0]
+    out.append("")
+    out += [f"  [{'PASS' if t['pass'] else 'FAIL'}] {name}: {t['detail']}" for name, t in targets_of(report)]
+    out += [f"  note: {n}" for n in notes_of(report)]
+    return "\n".join(out)
+
+
+def _title(report: Mapping[str, Any]) -> str:
+    m = report.get("machine", {})
+    return (f"KVShrink vs stock LMCache {m.get('lmcache', '')} — {report.get('mode', '')} run, "
+            f"{m.get('cpus', '?')} CPUs, "
+            f"load {m.get('loadavg_before', ['?'])[0]} -> {m.get('loadavg_after', ['?'])[0]}; "
+            f"'+' = ours better, '-' = ours worse")
+
+
+def targets_of(report: Mapping[str, Any]) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    for name, section in report["sections"].items():
+        for target, result in section.get("targets", {}).items():
+            yield f"{name}: {target}", result
+
+
+def notes_of(report: Mapping[str, Any]) -> list[str]:
+    return [f"{name}: {n}" for name, s in report["sections"].items() for n in s.get("notes", [])]
+
+
+def markdown_table(report: Mapping[str, Any]) -> str:
+    rows = rows_of(report)
+    out = [f"| section | case | metric | {STOCK} | {OURS} | ours/stock |", "|---|---|---|---:|---:|---:|"]
+    out += [f"| {r['section']} | {r['case']} | {r['metric']} [{r['unit']}] | {_fmt(r['stock'])} | {_fmt(r['ours'])} | "
+            f"{_ratio_text(r)} |" for r in rows]
+    return "\n".join(out)
+
+
+def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
+    """A README section: the command, the machine, the table, the targets and the plots.
+
+    ``image_prefix`` is prepended to plot file names (e.g. ``docs/bench/`` once they are copied
+    next to README.md)."""
+    require_complete(report)
+    m = report.get("machine", {})
+    lines = ["## Benchmark: KVShrink vs stock LMCache", "",
+             f"Measured side by side in one run on {m.get('cpus', '?')} CPU cores ({m.get('platform', '')}), "
+             f"LMCache {m.get('lmcache', '?')}, vLLM {m.get('vllm', '?')}, SmolLM2-135M bf16, "
+             f"{report.get('started', '')}; load average {m.get('loadavg_before', ['?'])[0]} before, "
+             f"{m.get('loadavg_after', ['?'])[0]} after. Absolute times on a shared CPU machine are indicative; "
+             "ratios are the result.", "", "```bash", report.get("command", "kvshrink bench"), "```", "",
+             markdown_table(report), ""]
+    lines += [f"- {'PASS' if t['pass'] else 'FAIL'} — {name}: {t['detail']}" for name, t in targets_of(report)]
+    notes = notes_of(report)
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    lines.append("")
+    for key, title in (("hit_rate", "Hit rate vs cache budget"), ("ttft", "TTFT by context length"),
+                       ("codec", "Compression ratio vs speed"), ("throughput", "L2 adapter throughput")):
+        name = report.get("plots", {}).get(key)
+        if name:
+            lines.append(f"![{title}]({image_prefix}{name})")
+    return "\n".join(lines) + "\n"
+
+
+# -- plots ------------------------------------------------------------------------------------------
+def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
+    """PNG plots for the sections present; returns {plot key: file name}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    written = {}
+    sections = report["sections"]
+    for key, section, draw in (("hit_rate", "capacity", _plot_hit_rate), ("ttft", "e2e", _plot_ttft),
+                               ("codec", "codec", _plot_codec), ("throughput", "throughput", _plot_throughput)):
+        if sections.get(section, {}).get("status") == "ok":
+            path = out_dir / PLOT_FILES[key]
+            draw(sections[section]["figures"], path)
+            written[key] = path.name
+    return written
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_hit_rate(figures: Mapping[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    sweep = figures["sweep"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for side, color in ((STOCK, "tab:blue"), (OURS, "tab:red")):
+        x = [p["budget_gib"] for p in sweep]
+        left.plot(x, [p[side]["chunk_hit_rate"] * 100 for p in sweep], "o-", color=color, label=side)
+        right.plot(x, [p[side]["tokens_held_per_gb"] / 1000 for p in sweep], "o-", color=color, label=side)
+    ideal = sweep[0][STOCK]["ideal_hit_rate"] * 100
+    left.axhline(ideal, color="grey", linestyle=":", label=f"infinite cache ({ideal:.0f} %)")
+    left.axhline(80, color="green", linestyle="--", linewidth=1, label="80 % target")
+    left.set(xlabel="cache budget, DRAM + SSD (GiB)", ylabel="chunk hit rate (%)",
+             title="Agent trace: hit rate vs budget")
+    right.set(xlabel="cache budget, DRAM + SSD (GiB)", ylabel="thousand tokens held per GB of budget",
+              title="KV held per GB of budget (end of replay)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _plot_ttft(figures: Mapping[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = figures["lengths"]
+    scenarios = ("cold", "warm_dram", "warm_l2", "warm_ssd")
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    x = np.arange(len(lengths))
+    width = 0.1
+    for i, scenario in enumerate(scenarios):
+        for j, (side, color) in enumerate(((STOCK, "tab:blue"), (OURS, "tab:red"))):
+            values = [figures[side][f"{n}.{scenario}_ttft_s"] for n in lengths]
+            offset = (i * 2 + j - 3.5) * width
+            ax.bar(x + offset, values, width, color=color, alpha=(1.0, 0.75, 0.55, 0.35)[i],
+                   label=f"{side} {scenario.replace('_', ' ')}")
+    ax.set_xticks(x, [f"{n} tokens" for n in lengths])
+    ax.set_yscale("log")
+    ax.set(ylabel="TTFT (s), log scale", title="vLLM CPU + SmolLM2: TTFT by context length (lower is better)")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)
+
+
+def _plot_codec(figures: Mapping[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(c["name"] for c in figures["codecs"]))
+    tab10 = plt.get_cmap("tab10").colors
+    palette = iter([tab10[i] for i in (2, 4, 5, 6, 7, 8, 9)] * 2)  # blue and red are stock and ours
+    colors = {n: "tab:red" if n.startswith("kvshrink zstd") else "tab:blue" if n.startswith("stock") else next(palette)
+              for n in names}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, key, label in ((axes[0], "compress_gbps", "store (compress)"),
+                           (axes[1], "decompress_gbps", "load (decompress)")):
+        for c in figures["codecs"]:
+            ax.scatter(c[key], c["ratio"], marker="o" if c["threads"] == 1 else "^", s=55, color=colors[c["name"]],
+                       label=c["name"] if c["threads"] == 1 else None)
+        ax.set_xscale("log")
+        ax.set(xlabel=f"{label} GB/s of KV, log scale")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("compression ratio (KV bytes / stored bytes)")
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("Real SmolLM2 KV: ratio vs speed (o 1 thread, ^ all threads; stock LMCache stores raw)")
+    _save(fig, path)
+
+
+def _plot_throughput(figures: Mapping[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cases = figures["cases"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = np.arange(len(cases))
+    for ax, metric in zip(axes, ("store_gbps", "load_gbps")):
+        for j, (side, color) in enumerate(((STOCK, "tab:blue"), (OURS, "tab:red"))):
+            ax.bar(x + (j - 0.5) * 0.38, [c[side][metric] for c in cases], 0.38, color=color, label=side)
+        ax.set_xticks(x, [c["case"] for c in cases], fontsize=8)
+        ax.set(ylabel="GB/s of KV", title=f"L2 adapter {metric.split('_')[0]}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    _save(fig, path)

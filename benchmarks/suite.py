@@ -1,0 +1,165 @@
+"""``kvshrink bench``: KVShrink vs stock LMCache, side by side in one run, on this machine.
+
+Sections (``--sections``, default all): ``codec`` (ratio and GB/s on real SmolLM2 KV),
+``capacity`` (agent-trace hit rate vs cache budget through LMCache's in-process storage stack),
+``throughput`` (L2 adapter store / load GB/s, DRAM and SSD tiers, 1 and 2 threads), ``e2e``
+(vLLM CPU + SmolLM2 through ``lmcache server``: TTFT cold / warm, multi-turn agent replay).
+
+Writes ``report.json`` (every figure), PNG plots, ``table.txt`` and ``README-section.md`` to
+``--out`` (default ``results/<timestamp>/``). Every comparison is checked to come from two sides
+that ran the same trace, model and budget. A section that fails is reported as its error and the
+run exits 1 without a table; ``--readme-from DIR`` renders the README section of an earlier run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+SECTION_NAMES = ("codec", "capacity", "throughput", "e2e")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes: under 5 minutes (default: full, under 30)")
+    parser.add_argument("--sections", default=",".join(SECTION_NAMES),
+                        help=f"comma-separated subset of {','.join(SECTION_NAMES)} (default: all)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/<timestamp>/)")
+    parser.add_argument("--store-config", type=Path, default=None,
+                        help="our store YAML to benchmark (default: configs/store-dram-ssd.yaml, the embedded default)")
+    parser.add_argument("--threads", type=int, default=None, help="the 'all threads' count (default: CPU count)")
+    parser.add_argument("--readme-from", metavar="DIR", default=None,
+                        help="do not run: print the README section of an earlier run ('latest' = newest in results/)")
+    parser.add_argument("--image-prefix", default="",
+                        help="with --readme-from: prefix for plot paths (e.g. docs/bench/ once the PNGs are there)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.readme_from:
+        return _print_readme(args.readme_from, args.image_prefix)
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # LMCache logs each chunk op at INFO/WARNING
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    sections = _parse_sections(args.sections)
+    out_dir = Path(args.out or Path("results") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = "kvshrink bench " + " ".join(_argv_tail())
+    report = run_suite(sections, "quick" if args.quick else "full", out_dir, args.store_config, args.threads, command)
+    return 0 if report["status"] == "ok" else 1
+
+
+def run_suite(sections: Sequence[str], mode: str, out_dir: Path, store_config: Path | None = None,
+              threads: int | None = None, command: str = "kvshrink bench") -> dict[str, Any]:
+    """Run ``sections``; write and print the report; return it. Never raises for a failing section."""
+    from tqdm import tqdm
+
+    from kvshrink.benchmarks import report as render
+    from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG
+    from kvshrink.benchmarks.suite_sections import SECTIONS, Context, loadavg, machine
+
+    ctx = Context(mode=mode, out_dir=out_dir, store_template=Path(store_config or DEFAULT_STORE_CONFIG),
+                  threads=threads or os.cpu_count() or 1, bar=tqdm)
+    report: dict[str, Any] = {"kvshrink_bench": 1, "command": command, "mode": mode, "out_dir": str(out_dir),
+                              "started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "sections": {},
+                              "errors": [], "plots": {}}
+    with tqdm(sections, desc="kvshrink bench", unit="section") as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            report["sections"][name] = _run_section(name, SECTIONS[name], ctx, report["errors"])
+    report["machine"]["loadavg_after"] = loadavg()
+    report["status"] = "ok" if not report["errors"] else "error"
+    if report["status"] == "ok":
+        try:
+            report["plots"] = render.write_plots(report, out_dir)
+        except Exception as exc:  # noqa: BLE001 - a broken plot is an error of the run, reported like any other
+            _record_error(report["errors"], "plots", exc)
+            report["status"] = "error"
+    _write(report, out_dir)
+    print(render.terminal_table(report))
+    print(f"\nreport: {out_dir / 'report.json'}" + (f"; README section: {out_dir / 'README-section.md'}"
+                                                     if report["status"] == "ok" else ""))
+    return report
+
+
+def _run_section(name: str, section_fn: Any, ctx: Any, errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """One section, all or nothing: its rows, or its error and no rows."""
+    started = time.perf_counter()
+    try:
+        section = section_fn(ctx)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, the other sections still run
+        _record_error(errors, name, exc)
+        return {"status": "error", "seconds": time.perf_counter() - started}
+    return {"status": "ok", "seconds": time.perf_counter() - started,
+            "comparisons": [row.to_dict() for row in section.comparisons], "figures": section.figures,
+            "targets": section.targets, "notes": section.notes}
+
+
+def _record_error(errors: list[dict[str, Any]], section: str, exc: BaseException) -> None:
+    errors.append({"section": section, "type": type(exc).__name__, "message": str(exc),
+                   "traceback": "".join(traceback.format_exception(exc))})
+
+
+def _write(report: dict[str, Any], out_dir: Path) -> None:
+    from kvshrink.benchmarks import report as render
+
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=_json_default))
+    (out_dir / "table.txt").write_text(render.terminal_table(report) + "\n")
+    if report["status"] == "ok":
+        (out_dir / "README-section.md").write_text(render.readme_section(report))
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _parse_sections(text: str) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTION_NAMES]
+    if unknown or not chosen:
+        raise SystemExit(f"kvshrink bench: --sections takes a comma-separated subset of {','.join(SECTION_NAMES)}; "
+                         f"got {text!r}")
+    return [s for s in SECTION_NAMES if s in chosen]  # always in the documented order
+
+
+def _argv_tail() -> list[str]:
+    argv = sys.argv[1:]
+    return argv[1:] if argv and argv[0] == "bench" else argv
+
+
+def latest_results(root: Path = Path("results")) -> Path:
+    runs = sorted((p for p in root.glob("*/report.json")), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise SystemExit(f"kvshrink bench: no report.json under {root}/; run `kvshrink bench` first")
+    return runs[-1].parent
+
+
+def render_readme(results_dir: Path, image_prefix: str = "") -> str:
+    """The README section for the run in ``results_dir`` (raises ReportError for a failed run)."""
+    from kvshrink.benchmarks import report as render
+
+    report = json.loads((Path(results_dir) / "report.json").read_text())
+    return render.readme_section(report, image_prefix)
+
+
+def _print_readme(where: str, image_prefix: str = "") -> int:
+    from kvshrink.benchmarks.report import ReportError
+
+    results_dir = latest_results() if where == "latest" else Path(where)
+    try:
+        print(render_readme(results_dir, image_prefix), end="")
+    except ReportError as exc:
+        print(f"kvshrink bench: {results_dir}: {exc}", file=sys.stderr)
+        return 1
+    return 0

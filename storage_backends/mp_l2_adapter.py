@@ -1,0 +1,346 @@
+"""LMCache multiprocess-mode L2 adapter backed by the KVShrink tiered store.
+
+Load it into ``lmcache server``::
+
+    --l2-adapter '{"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
+                   "class_name": "KVShrinkL2Adapter",
+                   "adapter_params": {"config": "configs/store-dram-ssd.yaml"}}'
+
+(or ``kvshrink serve-cache --config ...``, which builds that line from one YAML file).
+``adapter_params``: ``config`` (path to a store YAML) or ``store`` (the same mapping inline), and
+optionally ``workers`` (threads that run submitted tasks, default 4). LMCache finds
+:class:`KVShrinkL2AdapterConfig` by name and validates the parameters before the server starts.
+
+Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
+
+* ``submit_*`` return a task id at once; the work (staging copy, index lookups, reads and
+  decompression) runs on :class:`~kvshrink.storage_backends.task_channels.L2TaskRunner` threads
+  and the store's own workers. Each result is posted once on its own eventfd.
+* Store: every chunk is staged by the store before the task's future chain continues; the task
+  completes when each chunk is durable on the store's ``put`` tiers (so LMCache releases its L1
+  read lock only then). Keys already stored are skipped. Any chunk refused or dropped fails the
+  task (LMCache reports store errors per task); the chunks that did land are still reported.
+* Lookup-and-lock pins hits in the store's local tiers until ``submit_unlock``; unlock is a
+  counter decrement that cannot fail.
+* Load decodes straight into the caller's L1 buffers; a missing, corrupt or mismatched chunk is a
+  0 bit in the result (LMCache then recomputes that chunk), never an exception.
+* Stored / accessed / deleted keys go through ``_notify_keys_*`` so LMCache's events, usage and
+  metrics see them. Chunks the store evicts on its own (last tier full) are not reported: the
+  store has no eviction callback yet (see the report of issue 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Mapping
+
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+
+from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
+from kvshrink.storage_backends.keys import decode_object_key, encode_object_key, is_object_key
+from kvshrink.storage_backends.memory_objs import chunk_tensor
+from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config, open_store, warm_codec
+from kvshrink.storage_backends.task_channels import L2TaskRunner, when_all_done
+
+if TYPE_CHECKING:
+    from lmcache.lmcache_native import Bitmap
+    from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.internal_api import L2StoreResult
+    from lmcache.v1.memory_management import MemoryObj
+
+    from kvshrink.store import StoreConfig
+
+log = logging.getLogger(__name__)
+
+PARAMS_PREFIX = "adapter_params."
+DEFAULT_WORKERS = 4
+_ALLOWED_PARAMS = {"config", "store", "workers"}
+
+
+class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
+    """Validated ``adapter_params``: where the store config comes from, and worker threads."""
+
+    def __init__(self, store_source: "str | Mapping[str, Any]", store_config: "StoreConfig",
+                 workers: int = DEFAULT_WORKERS) -> None:
+        self.store_source = store_source
+        self.store_config = store_config
+        self.workers = workers
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "KVShrinkL2AdapterConfig":
+        if not isinstance(d, Mapping):
+            raise ConfigError("adapter_params", f"expected a mapping, got {type(d).__name__}")
+        unknown = sorted(set(d) - _ALLOWED_PARAMS)
+        if unknown:
+            raise ConfigError(f"{PARAMS_PREFIX}{unknown[0]}", f"unknown key; expected one of {sorted(_ALLOWED_PARAMS)}")
+        if ("config" in d) == ("store" in d):
+            raise ConfigError(f"{PARAMS_PREFIX}config",
+                              "give exactly one of 'config' (a store YAML path) or 'store' (the mapping inline)")
+        if "config" in d:
+            source = d["config"]
+            if not isinstance(source, str) or not source:
+                raise ConfigError(f"{PARAMS_PREFIX}config", f"expected a path to a store YAML file, got {source!r}")
+            store_config = load_store_config(source, file_key_prefix(source), f"{PARAMS_PREFIX}config")
+        else:
+            source = d["store"]
+            store_config = load_store_config(source, f"{PARAMS_PREFIX}store.", f"{PARAMS_PREFIX}store")
+        workers = d.get("workers", DEFAULT_WORKERS)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"{PARAMS_PREFIX}workers", f"expected an integer >= 1, got {workers!r}")
+        return cls(source, store_config, workers)
+
+    @classmethod
+    def help(cls) -> str:
+        return ("KVShrink L2 adapter params:\n"
+                "- config (str): path to a KVShrink store YAML (tiers: dram / ssd / redis), or\n"
+                "- store (dict): the same mapping inline\n"
+                "- workers (int): threads running submitted tasks (default 4)")
+
+
+class KVShrinkL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter over :class:`kvshrink.store.TieredStore` (compressed DRAM / SSD / Redis)."""
+
+    def __init__(self, config: "KVShrinkL2AdapterConfig | Mapping[str, Any]", **_: Any) -> None:
+        # LMCache passes l1_memory_desc=...; the store needs nothing from it.
+        if not isinstance(config, KVShrinkL2AdapterConfig):
+            config = KVShrinkL2AdapterConfig.from_dict(config)
+        # 0: the store evicts by its own tier policies; LMCache's global L2 eviction stays off.
+        super().__init__(max_capacity_bytes=0)
+        self._config = config
+        source = config.store_source
+        prefix = file_key_prefix(source) if isinstance(source, str) else f"{PARAMS_PREFIX}store."
+        try:
+            self._store = open_store(config.store_config, prefix)
+        except ConfigError:
+            log.error("KVShrinkL2Adapter: cannot open the store from %r", config.store_source)
+            raise
+        try:
+            warm_codec(config.store_config)
+            self._runner = L2TaskRunner("kvshrink-l2", config.workers)
+        except BaseException:
+            self._store.close()  # release the SSD directory lock and the arena for the next attempt
+            raise
+        self._sizes: dict[bytes, int] = {}  # raw bytes of chunks this process reported as stored
+        self._sizes_lock = threading.Lock()
+        self._closed = False
+        log.info("KVShrinkL2Adapter ready: tiers %s", [t.name for t in config.store_config.tiers])
+
+    # -- event fds ------------------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return self._runner.store.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._runner.lookup.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._runner.load.fileno()
+
+    # -- store ------------------------------------------------------------------------------------
+    def submit_store_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
+        if len(keys) != len(objects):
+            raise ValueError(f"submit_store_task: {len(keys)} keys but {len(objects)} objects")
+        return self._runner.submit(self._runner.store, lambda: self._store_batch(keys, objects), _failed_store)
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, "L2StoreResult"]:
+        return self._runner.store.take_all()
+
+    def _store_batch(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> "Future[L2StoreResult]":
+        from lmcache.v1.distributed.internal_api import L2StoreResult
+
+        started: list[tuple["ObjectKey", bytes, int, Future]] = []
+        for key, obj in zip(keys, objects, strict=True):
+            store_key = encode_object_key(key)
+            if self._store.contains(store_key):
+                continue  # already stored (LMCache's own fs adapter skips these too)
+            started.append((key, store_key, obj.get_size(), self._store.put(store_key, chunk_tensor(obj))))
+
+        def settle(_: Any) -> L2StoreResult:
+            stored = [(key, skey, size) for key, skey, size, fut in started if _put_succeeded(fut)]
+            with self._sizes_lock:  # a key stored by two racing tasks is reported once
+                new = [(key, skey, size) for key, skey, size in stored if skey not in self._sizes]
+                self._sizes.update((skey, size) for _, skey, size in new)
+            if new:
+                self._notify_keys_stored([k for k, _, _ in new], [s for _, _, s in new])
+            return L2StoreResult(len(stored) == len(started), sum(s for _, _, s in new))
+
+        return _then(when_all_done([f for *_, f in started]), settle)
+
+    # -- lookup and lock -----------------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys: list["ObjectKey"],
+                                    group_layout_descs: dict[int, "MemoryLayoutDesc"]) -> L2TaskId:
+        count = len(keys)
+        return self._runner.submit(self._runner.lookup, lambda: self._lookup_and_lock(keys),
+                                   lambda exc: _bitmap(count, []))
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> "Bitmap | None":
+        return self._runner.lookup.take(task_id)
+
+    def _lookup_and_lock(self, keys: list["ObjectKey"]) -> "Bitmap":
+        found = self._store.lock([encode_object_key(k) for k in keys])
+        return _bitmap(len(keys), [i for i, hit in enumerate(found) if hit])
+
+    def submit_unlock(self, keys: list["ObjectKey"]) -> None:
+        store_keys = [encode_object_key(k) for k in keys]
+        try:
+            self._store.unlock(store_keys)
+        except Exception:  # unlock must eventually succeed: retry once off the caller's thread
+            log.exception("KVShrinkL2Adapter: unlock of %d keys failed; retrying in the background", len(keys))
+            self._runner.run_in_background(lambda: self._store.unlock(store_keys), "unlock")
+
+    # -- load -------------------------------------------------------------------------------------
+    def submit_load_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
+        if len(keys) != len(objects):
+            raise ValueError(f"submit_load_task: {len(keys)} keys but {len(objects)} objects")
+        count = len(keys)
+        return self._runner.submit(self._runner.load, lambda: self._load_batch(keys, objects),
+                                   lambda exc: _bitmap(count, []))
+
+    def query_load_result(self, task_id: L2TaskId) -> "Bitmap | None":
+        return self._runner.load.take(task_id)
+
+    def _load_batch(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> "Bitmap":
+        store_keys = [encode_object_key(k) for k in keys]
+        outs = [chunk_tensor(o) for o in objects]
+        try:
+            chunks = self._store.get_many(store_keys, outs)
+        except (ValueError, TypeError, KVShrinkError) as exc:
+            # one mismatched buffer must not fail the whole batch: retry key by key
+            log.warning("KVShrinkL2Adapter: batch load failed (%s); loading key by key", exc)
+            chunks = [self._load_one(k, o) for k, o in zip(store_keys, outs)]
+        hits = [i for i, chunk in enumerate(chunks) if chunk is not None]
+        if hits:
+            self._notify_keys_accessed([keys[i] for i in hits])
+        return _bitmap(len(keys), hits)
+
+    def _load_one(self, store_key: bytes, out: Any) -> Any:
+        try:
+            return self._store.get(store_key, out)
+        except (ValueError, TypeError, KVShrinkError) as exc:
+            log.warning("KVShrinkL2Adapter: chunk %s not loaded: %s", store_key[:80], exc)
+            return None
+
+    # -- eviction, listing, status -------------------------------------------------------------
+    def delete(self, keys: list["ObjectKey"]) -> None:
+        deleted: list["ObjectKey"] = []
+        sizes: list[int] = []
+        for key in keys:
+            store_key = encode_object_key(key)
+            try:
+                removed = self._store.delete(store_key)
+            except KVShrinkError as exc:
+                log.warning("KVShrinkL2Adapter: delete of %s failed: %s", store_key[:80], exc)
+                continue
+            if removed:
+                deleted.append(key)
+                with self._sizes_lock:
+                    # chunks stored before a restart were never counted in this process: size 0
+                    sizes.append(self._sizes.pop(store_key, 0))
+        if deleted:
+            self._notify_keys_deleted(deleted, sizes)
+
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
+                     cursor: str | None = None) -> "KeyListPage":
+        from lmcache.v1.distributed.api import KeyEntry, KeyListPage
+
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        try:
+            start = int(cursor) if cursor is not None else 0
+        except ValueError as exc:
+            raise ValueError(f"malformed cursor {cursor!r}") from exc
+        if start < 0:
+            raise ValueError(f"malformed cursor {cursor!r}")
+        keys = sorted(k for k in self._store.keys() if is_object_key(k))
+        entries: list[KeyEntry] = []
+        position = start
+        while position < len(keys) and len(entries) < page_size:
+            store_key = keys[position]
+            position += 1
+            try:
+                key = decode_object_key(store_key)
+            except CorruptDataError:
+                continue
+            if model_name is not None and key.model_name != model_name:
+                continue
+            entries.append(KeyEntry(key=key.to_encoded_object_key(), size_bytes=self._size_of(store_key)))
+        next_token = str(position) if position < len(keys) else None
+        return KeyListPage(entries=tuple(entries), next_page_token=next_token)
+
+    def _size_of(self, store_key: bytes) -> int:
+        with self._sizes_lock:
+            size = self._sizes.get(store_key)
+        if size is not None:
+            return size
+        header = self._store.header(store_key)
+        return int(getattr(header, "raw_size", 0)) if header is not None else 0
+
+    def report_status(self) -> dict:
+        healthy = not self._closed
+        status: dict[str, Any] = {"is_healthy": healthy, "type": type(self).__name__,
+                                  "tiers": [t.name for t in self._config.store_config.tiers],
+                                  "in_flight_tasks": self._runner.in_flight(),
+                                  "boundary_errors": self._runner.errors()}
+        if healthy:
+            status["store"] = self._store.stats()
+        if any(t.compressed and t.method == "qat" for t in self._config.store_config.tiers):
+            from kvshrink.codec import qat_status
+
+            status["qat"] = qat_status()
+        return status
+
+    def store_stats(self) -> dict[str, Any]:
+        """The store's counters (tier hits, puts, quarantines...), for tests and benchmarks."""
+        return self._store.stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._runner.close()
+        finally:
+            self._store.close()
+        log.info("KVShrinkL2Adapter closed")
+
+
+def _put_succeeded(future: Future) -> bool:
+    """A store put is durable when its Future says True; False (dropped) or an error is not."""
+    if future.cancelled():
+        return False
+    exc = future.exception()
+    if exc is not None:
+        log.warning("KVShrinkL2Adapter: a chunk was not stored: %s", exc)
+        return False
+    return future.result() is True
+
+
+def _failed_store(exc: BaseException) -> "L2StoreResult":
+    from lmcache.v1.distributed.internal_api import L2StoreResult
+
+    return L2StoreResult(False, 0)
+
+
+def _bitmap(size: int, set_indices: list[int]) -> "Bitmap":
+    from lmcache.lmcache_native import Bitmap
+
+    bitmap = Bitmap(size)
+    for index in set_indices:
+        bitmap.set(index)
+    return bitmap
+
+
+def _then(future: Future, fn: Any) -> Future:
+    """``fn(future.result())`` as a new Future, run in whichever thread completes ``future``."""
+    out: Future = Future()
+
+    def chain(done: Future) -> None:
+        try:
+            out.set_result(fn(done.result()))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the runner, which logs and counts it
+            out.set_exception(exc)
+
+    future.add_done_callback(chain)
+    return out

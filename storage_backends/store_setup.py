@@ -1,0 +1,158 @@
+"""Open the tiered store for an LMCache plugin, loudly.
+
+LMCache swallows a failing in-process storage plugin (one log line) and a failing L2 adapter
+takes the whole cache server down with a deep traceback. Either way the operator needs one
+sentence naming the setting to fix, so the checks that depend on the machine rather than on the
+YAML (is the SSD directory writable, does the DRAM tier fit in ``/dev/shm``, does Redis answer)
+run here, before the store is built, and every failure is a :class:`ConfigError` whose key is
+spelled the way the operator wrote it (``store.tiers[1].path``, ``kvshrink.config``, ...).
+
+Runtime outages stay the store's business (a Redis that goes away later is a miss, not an
+error); only the start-up state is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from kvshrink.errors import ConfigError, KVShrinkError
+
+if TYPE_CHECKING:
+    from kvshrink.store import StoreConfig, TieredStore
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+REDIS_PROBE_TIMEOUT_S = 2.0
+
+
+def load_store_config(source: "str | Path | Mapping[str, Any] | StoreConfig", key_prefix: str,
+                      source_key: str = "<store>") -> "StoreConfig":
+    """Parse a store config (YAML path or mapping). A bad value names ``key_prefix`` + its store key
+    (``store.tiers[0].capacity``); an unreadable file names ``source_key``, the setting that holds
+    the path (``kvshrink.config``)."""
+    from kvshrink.store import StoreConfig
+
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ConfigError(source_key, f"store config file {str(path)!r} does not exist")
+    try:
+        return StoreConfig.load(source)
+    except ConfigError as exc:
+        if exc.key == "<file>":
+            raise ConfigError(source_key, _reason(exc)) from exc
+        raise ConfigError(f"{key_prefix}{exc.key}", _reason(exc)) from exc
+
+
+def file_key_prefix(path: "str | Path") -> str:
+    """Key prefix for settings that live in a store YAML file: ``/etc/store.yaml:tiers[1].path``."""
+    return f"{path}:"
+
+
+def preflight(config: "StoreConfig", key_prefix: str) -> None:
+    """Check what the YAML cannot: codec methods exist, SSD directories are writable, DRAM tiers fit
+    in /dev/shm, Redis answers."""
+    from kvshrink.codec import METHODS
+
+    shm_tiers_bytes = 0
+    for index, tier in enumerate(config.tiers):
+        key = f"{key_prefix}tiers[{index}]"
+        if tier.compressed and tier.method not in METHODS:  # else every put would fail at run time
+            raise ConfigError(f"{key}.method", f"expected one of {list(METHODS)}, got {tier.method!r}")
+        if tier.kind == "ssd":
+            _check_directory(Path(tier.path), f"{key}.path")
+        elif tier.kind == "dram":
+            shm_tiers_bytes += tier.capacity
+            _check_shm_capacity(tier.shm_name, shm_tiers_bytes, f"{key}.capacity")
+        elif tier.kind == "redis":
+            _check_redis(tier.url, tier.cluster, f"{key}.url")
+
+
+def open_store(source: "str | Path | Mapping[str, Any] | StoreConfig", key_prefix: str,
+               source_key: str = "<store>") -> "TieredStore":
+    """Load, preflight and open a :class:`TieredStore`; every failure names the key to fix."""
+    from kvshrink.store import TieredStore
+
+    config = load_store_config(source, key_prefix, source_key)
+    preflight(config, key_prefix)
+    try:
+        return TieredStore(config)
+    except (KVShrinkError, OSError) as exc:
+        raise ConfigError(_tier_key(config, str(exc), key_prefix), f"cannot open the store: {exc}") from exc
+
+
+def _tier_key(config: "StoreConfig", message: str, key_prefix: str) -> str:
+    """``<prefix>tiers[i]`` of the tier a store error message names, else the store itself."""
+    for index, tier in enumerate(config.tiers):
+        if f"tier {tier.name}:" in message:
+            return f"{key_prefix}tiers[{index}]"
+    return key_prefix.rstrip(".") or "<store>"
+
+
+def _reason(exc: ConfigError) -> str:
+    """The message of a ConfigError without its ``config key '...': `` preamble."""
+    text = str(exc)
+    marker = ": "
+    return text.split(marker, 1)[1] if text.startswith("config key ") and marker in text else text
+
+
+def _check_directory(path: Path, key: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot create directory {str(path)!r}: {exc.strerror or exc}") from exc
+    if not path.is_dir():
+        raise ConfigError(key, f"{str(path)!r} exists and is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"directory {str(path)!r} is not writable by this user")
+
+
+def _check_shm_capacity(shm_name: str, needed_bytes: int, key: str) -> None:
+    """A DRAM arena larger than free /dev/shm would be created sparse and die with SIGBUS later."""
+    if not SHM_DIR.is_dir():
+        raise ConfigError(key, f"{SHM_DIR} does not exist; the DRAM tier lives there")
+    existing = SHM_DIR / shm_name
+    reusable = existing.stat().st_size if existing.exists() else 0
+    free = shutil.disk_usage(SHM_DIR).free + reusable
+    if needed_bytes > free:
+        raise ConfigError(key, f"DRAM tiers need {needed_bytes / 2**30:.2f} GiB but {SHM_DIR} has "
+                               f"{free / 2**30:.2f} GiB free; lower the capacity or enlarge {SHM_DIR}")
+
+
+def _check_redis(url: str, cluster: bool, key: str) -> None:
+    import redis
+    from redis.exceptions import RedisError
+
+    try:
+        if cluster:
+            from redis.cluster import RedisCluster
+
+            client: Any = RedisCluster.from_url(url, socket_connect_timeout=REDIS_PROBE_TIMEOUT_S,
+                                                socket_timeout=REDIS_PROBE_TIMEOUT_S)
+        else:
+            client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_PROBE_TIMEOUT_S,
+                                          socket_timeout=REDIS_PROBE_TIMEOUT_S)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (RedisError, OSError) as exc:
+        raise ConfigError(key, f"cannot reach Redis at {url}: {exc}") from exc
+
+
+def warm_codec(config: "StoreConfig") -> None:
+    """Run the codec once per method the tiers use, so that loading its compiled kernels (about a
+    second in a fresh process) happens at start-up and not inside the first request's TTFT."""
+    import torch
+
+    from kvshrink.codec import decode, encode
+
+    sample = torch.randn(2, 4, 256, 64).to(torch.bfloat16)
+    for method in sorted({t.method if t.compressed else "raw" for t in config.tiers}):
+        frame = encode(sample, method=method)
+        decode(frame, out=torch.empty_like(sample))

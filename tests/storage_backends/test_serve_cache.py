@@ -1,0 +1,142 @@
+"""``kvshrink serve-cache``: the shipped YAML files, loud errors naming keys, and a real
+``lmcache server`` started with our adapter, reporting it in /status, and stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from l2_harness import SHM_DIR, free_port
+from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+
+from kvshrink.cli import main as kvshrink_main
+from kvshrink.errors import ConfigError
+from kvshrink.storage_backends.mp_l2_adapter import KVShrinkL2AdapterConfig
+from kvshrink.storage_backends.serve_cache import build_server, load_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("serve-cache-*.yaml"))
+
+
+def private_config(tmp_path: Path, shm: str, edit=None) -> Path:
+    data = yaml.safe_load((REPO / "configs" / "serve-cache-dram-ssd.yaml").read_text())
+    data["server"].update(port=free_port(), http_port=free_port(), l1_size_gb=0.2)
+    tiers = data["store"]["tiers"]
+    tiers[0].update(shm_name=shm, capacity="64MiB")
+    tiers[1].update(path=str(tmp_path / "ssd"), capacity="1GiB")
+    if edit is not None:
+        edit(data)
+    path = tmp_path / f"serve-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_files_give_an_adapter_spec_lmcache_accepts(path):
+    config = load_serve_config(path, check_services=False)
+    spec = config.l2_adapter_spec()
+    plugin = PluginL2AdapterConfig.from_dict({k: v for k, v in spec.items() if k != "type"})
+    assert plugin.module_path == "kvshrink.storage_backends.mp_l2_adapter"
+    parsed = KVShrinkL2AdapterConfig.from_dict(json.loads(json.dumps(plugin.adapter_params)))  # survives JSON
+    assert [t.kind for t in parsed.store_config.tiers] == [t.kind for t in config.store.tiers]
+
+
+def test_shipped_files_cover_dram_ssd_redis_and_qat():
+    kinds = {p.name: [t.kind for t in load_serve_config(p, check_services=False).store.tiers] for p in SHIPPED}
+    assert kinds["serve-cache-dram-ssd.yaml"] == ["dram", "ssd"]
+    assert kinds["serve-cache-dram-ssd-redis.yaml"] == ["dram", "ssd", "redis"]
+    qat = load_serve_config(REPO / "configs" / "serve-cache-qat.yaml", check_services=False)
+    assert [t.method for t in qat.store.tiers if t.compressed] == ["qat"]
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda d: d.update(serverr={}), "serverr"),
+    (lambda d: d["server"].update(port=70000), "server.port"),
+    (lambda d: d["server"].update(l1_size_gb=0), "server.l1_size_gb"),
+    (lambda d: d["server"].update(hots="x"), "server.hots"),
+    (lambda d: d["adapter"].update(workers=0), "adapter.workers"),
+    (lambda d: d["store"]["tiers"][1].update(capacity="a lot"), "store.tiers[1].capacity"),
+    (lambda d: d["store"]["tiers"][1].update(method="lzma"), "store.tiers[1].method"),
+    (lambda d: d.pop("store"), "store"),
+    (lambda d: d.update(store="no-such-store.yaml"), "store"),
+])
+def test_bad_files_exit_2_naming_the_key(tmp_path, shm_name, capsys, edit, key):
+    path = private_config(tmp_path, shm_name, edit)
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(path)
+    assert info.value.key == key, str(info.value)
+    assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 2
+    assert f"'{key}'" in capsys.readouterr().err
+
+
+def test_unreachable_redis_and_unwritable_ssd_are_refused(tmp_path, shm_name):
+    def add_redis(d):
+        d["store"]["tiers"].append({"kind": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "capacity": 0})
+
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(private_config(tmp_path, shm_name, add_redis))
+    assert info.value.key == "store.tiers[2].url"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(private_config(tmp_path, shm_name,
+                                         lambda d: d["store"]["tiers"][1].update(path=str(tmp_path / "file" / "s"))))
+    assert info.value.key == "store.tiers[1].path"
+
+
+def test_store_may_be_a_separate_yaml_file(tmp_path, shm_name):
+    store_file = tmp_path / "store.yaml"
+    store_file.write_text(yaml.safe_dump({"tiers": [{"kind": "ssd", "path": str(tmp_path / "s"), "capacity": 0}]}))
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(store="store.yaml")))
+    assert info.value.key == f"{store_file}:tiers[0].capacity"
+    store_file.write_text(yaml.safe_dump({"tiers": [{"kind": "ssd", "path": str(tmp_path / "s"), "capacity": "1GiB"}]}))
+    config = load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(store="store.yaml")))
+    assert config.adapter_params["config"] == str(store_file)
+
+
+def test_check_prints_the_lmcache_server_command(tmp_path, shm_name, capsys):
+    path = private_config(tmp_path, shm_name)
+    assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 0
+    line = capsys.readouterr().out
+    config = load_serve_config(path)
+    assert "lmcache.cli.main server" in line and f"--port {config.port}" in line
+    assert f"--http-port {config.http_port}" in line and "KVShrinkL2Adapter" in line
+    assert build_server(config).http_port == config.http_port
+
+
+def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path, shm_name):
+    path = private_config(tmp_path, shm_name)
+    config = load_serve_config(path)
+    log = tmp_path / "serve.out"
+    proc = subprocess.Popen([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path),
+                             "--log-file", str(tmp_path / "lmcache.log")],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "ready on" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "serve-cache never became ready:\n" + log.read_text()
+            time.sleep(0.5)
+        status = httpx.get(f"http://127.0.0.1:{config.http_port}/status", timeout=10).json()
+        adapters = status["storage_manager"]["l2_adapters"]
+        assert [a["type"] for a in adapters] == ["KVShrinkL2Adapter"]
+        assert adapters[0]["is_healthy"] and set(adapters[0]["store"]["tiers"]) == {"dram", "ssd"}
+        assert "LMCacheMPConnector" in log.read_text()  # the vLLM line to copy
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{config.http_port}/healthcheck", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        (SHM_DIR / shm_name).unlink(missing_ok=True)
