@@ -236,3 +236,47 @@ class VLLMServer(ManagedProcess):
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=10.0).text
+
+
+class RedisServer(ManagedProcess):
+    """A private ``redis-server`` on a random loopback port for tests and benchmarks.
+
+    The append-only file is fsync'ed on every write, so ``kill()`` then ``start()`` (same port, same
+    folder) behaves like a crashed and restarted production server.
+    """
+
+    name = "redis-server"
+
+    def __init__(self, workdir: Path, *, port: int | None = None, maxmemory: str = "512mb",
+                 log_path: Path | None = None) -> None:
+        self.port = port or free_port()
+        argv = ["redis-server", "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "yes",
+                "--appendfsync", "always", "--dir", str(workdir), "--maxmemory", maxmemory,
+                "--maxmemory-policy", "allkeys-lru"]
+        super().__init__(argv, log_path=log_path)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> "RedisServer":
+        super().start()
+        self.wait_until(self._answers_ping, timeout, "answering PING")
+        return self
+
+    def _answers_ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps accepting connections but never answers (a hung Redis)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)

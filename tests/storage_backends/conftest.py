@@ -1,69 +1,16 @@
-"""Fixtures for the LMCache plugin tests: real KV chunks, private store locations, redis-server."""
+"""Fixtures for the LMCache plugin tests (the shared ones are in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-import uuid
 from pathlib import Path
-from typing import Iterator
 
-import numpy as np
 import pytest
-from l2_harness import SHM_DIR, dram_ssd_store, free_port
-
-
-@pytest.fixture(scope="session")
-def small_chunks() -> list[np.ndarray]:
-    """12 real SmolLM2 KV chunks of 64 tokens ([2, 30, 64, 192] bf16 as uint16, 1.4 MiB each)."""
-    from kvshrink.fixtures.real_kv import real_kv
-
-    chunks = []
-    for corpus in ("code", "prose"):
-        kv = real_kv(corpus, 512)
-        chunks += [np.ascontiguousarray(kv[:, :, i * 64 : (i + 1) * 64]) for i in range(6)]
-    return chunks
-
-
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    name = f"kvshrink-sbtest-{uuid.uuid4().hex[:12]}"
-    yield name
-    (SHM_DIR / name).unlink(missing_ok=True)
+from l2_harness import dram_ssd_store
 
 
 @pytest.fixture
 def store_config(shm_name: str, tmp_path: Path) -> dict:
     return dram_ssd_store(shm_name, tmp_path / "ssd")
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """A private redis-server on a random loopback port."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (scripts/setup.sh installs it)")
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 # -- end-to-end fixtures (real vLLM CPU), shared by the e2e modules -----------------------------------

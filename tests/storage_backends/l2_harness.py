@@ -4,7 +4,6 @@ the operation's eventfd, consume the signal, fetch the result once. Plus real CP
 from __future__ import annotations
 
 import select
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform import consume_fd
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SHM_DIR = Path("/dev/shm")
+from kvshrink.store.dram import SHM_DIR  # noqa: F401  (the test modules import it from here)
 
 
 def dram_ssd_store(shm_name: str, ssd_path: Path, dram: str = "64MiB", ssd: str = "1GiB") -> dict:
@@ -26,10 +25,6 @@ def dram_ssd_store(shm_name: str, ssd_path: Path, dram: str = "64MiB", ssd: str 
                       {"kind": "ssd", "path": str(ssd_path), "capacity": ssd, "write_back": True}]}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from l2_harness import SHM_DIR, free_port
+from l2_harness import SHM_DIR
+
+from kvshrink.launch import free_port
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.event_manager import EventManager

@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from l2_harness import SHM_DIR, free_port
+from l2_harness import SHM_DIR
+
+from kvshrink.launch import free_port
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
 from kvshrink.cli import main as kvshrink_main

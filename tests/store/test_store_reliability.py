@@ -193,7 +193,7 @@ def test_redis_killed_and_restarted_mid_run(redis_server, shm_name, small_chunks
             assert store.put(key, chunk).result(timeout=60)
         store.flush(timeout=60)
         assert all(store.tiers[1].contains(k) for k in keys)
-        redis_server.kill9()
+        redis_server.kill()
         during = store.get_many(keys)  # no exception: DRAM hits, Redis misses
         in_dram = [store.tiers[0].contains(k) for k in keys]
         assert [g is not None for g in during] == in_dram and not all(in_dram)

@@ -339,7 +339,7 @@ class TestRedisTier(TierContract):
         tier = RedisTier(config)
         try:
             put(tier, b"before", small_chunks[0])
-            redis_server.kill9()
+            redis_server.kill()
             assert tier.get(b"before") is None
             assert tier.fetch_frames([b"before", b"x"]) == [None, None]
             assert tier.contains(b"before") is False

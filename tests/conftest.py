@@ -1,0 +1,72 @@
+"""Fixtures shared by every test area: real KV chunks, private shared-memory names, redis-server."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kvshrink.launch import RedisServer
+from kvshrink.store.dram import SHM_DIR
+
+
+@pytest.fixture(scope="session")
+def small_chunks() -> list[np.ndarray]:
+    """16 real SmolLM2 KV chunks of 64 tokens ([2, 30, 64, 192] bf16 as uint16, 1.4 MiB each):
+    8 of source code, then 8 of prose."""
+    from kvshrink.fixtures.real_kv import real_kv
+
+    chunks = []
+    for corpus in ("code", "prose"):
+        kv = real_kv(corpus, 512)
+        chunks += [np.ascontiguousarray(kv[:, :, i * 64 : (i + 1) * 64]) for i in range(8)]
+    return chunks
+
+
+@pytest.fixture(scope="session")
+def real_chunks() -> list[np.ndarray]:
+    """8 real 256-token chunks ([2, 30, 256, 192], 5.9 MB each), LMCache's default chunk size."""
+    from kvshrink.fixtures.real_kv import real_kv_chunks
+
+    return real_kv_chunks(8, 256)
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A fresh /dev/shm name; every arena named after it (``<name>``, ``<name>-<suffix>``) is
+    removed after the test, whatever the test did."""
+    name = f"kvshrink-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    for path in SHM_DIR.glob(f"{name}*"):
+        path.unlink(missing_ok=True)
+
+
+def _redis(workdir: Path) -> RedisServer:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (scripts/setup.sh installs it)")
+    return RedisServer(workdir).start()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server for one test (it may kill, pause and restart it)."""
+    server = _redis(tmp_path)
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for a module of tests that do not disturb it (each uses its own namespace)."""
+    server = _redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
