@@ -234,7 +234,7 @@ def cache_server(side: Side, port: int, l1_size_gb: float, log_dir: Path, vllm_u
             # vLLM re-registers its KV caches when its heartbeat sees the server come back
             # (unhealthy -> healthy), and only then will lookups and stores work again
             # (a request sent before that fails its store and can stall vLLM's engine)
-            wait_for_engine(server.http_url)
+            wait_for_engine(server.http_url, settle_s=2.5 * settings.heartbeat_s)
             _request(vllm_url, throwaway_prompt(), settings)
         yield server
     finally:
@@ -332,46 +332,86 @@ def figures_of(records: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run(checkpoint: Path, settings: E2ESettings, template: Path = DEFAULT_STORE_CONFIG, log_dir: Path | None = None,
-        progress: Callable[[str], None] = lambda s: None) -> tuple[SideRun, SideRun]:
-    """Both sides against one vLLM; returns (stock, ours)."""
-    from kvshrink.launch import VLLMServer, free_port
+class EngineLaunch:
+    """The one vLLM both sides share, attached to a cache-server port.
 
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvshrink-e2e-logs-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    vLLM CPU needs a minute or more before it serves; :meth:`launch` starts it (behind a throwaway
+    stock cache server, which must be up while vLLM registers its KV caches) without waiting, so
+    a caller can spend that minute on work that measures no time (the suite runs the capacity
+    replay meanwhile). :meth:`wait_ready` waits, warms the engine and removes the throwaway server.
+    """
+
+    def __init__(self, checkpoint: Path, settings: E2ESettings, log_dir: Path | None = None) -> None:
+        from kvshrink.launch import VLLMServer, free_port
+
+        self.settings = settings
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvshrink-e2e-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self._warmup_dir = Path(tempfile.mkdtemp(prefix="kvshrink-e2e-warmup-"))
+        self._stack = contextlib.ExitStack()
+        connector = {"kv_connector": "LMCacheMPConnector",
+                     "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                     "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port,
+                                                   "lmcache.mp.heartbeat_interval": settings.heartbeat_s}}
+        self.vllm = VLLMServer(checkpoint, kv_transfer_config=connector, served_model_name=SERVED_NAME,
+                               log_path=self.log_dir / "vllm.log", env=SERVER_ENV)
+        self._ready = False
+
+    def launch(self) -> "EngineLaunch":
+        if self.vllm.proc is None:
+            warmup = Side(STOCK, stock_adapter(self._warmup_dir), None, self._warmup_dir)
+            self._stack.enter_context(cache_server(warmup, self.port, self.settings.l1_size_gb, self.log_dir,
+                                                   settings=self.settings))
+            self.vllm.launch()
+        return self
+
+    def wait_ready(self, progress: Callable[[str], None] = lambda s: None) -> str:
+        """vLLM's URL once it serves and has run one request (its first store also starts the MP
+        connector's heartbeat, which re-registers vLLM after each cache-server restart)."""
+        if not self._ready:
+            self.launch()
+            progress("starting vLLM")
+            self.vllm.wait_serving()
+            _request(self.vllm.url, throwaway_prompt(), self.settings)
+            self._stack.close()
+            self._ready = True
+        return self.vllm.url
+
+    def stop(self) -> None:
+        try:
+            self.vllm.stop()
+        finally:
+            self._stack.close()
+            shutil.rmtree(self._warmup_dir, ignore_errors=True)
+
+
+def run(checkpoint: Path, settings: E2ESettings, template: Path = DEFAULT_STORE_CONFIG, log_dir: Path | None = None,
+        progress: Callable[[str], None] = lambda s: None,
+        engine: EngineLaunch | None = None) -> tuple[SideRun, SideRun]:
+    """Both sides against one vLLM (``engine``, possibly launched earlier; stopped here); returns (stock, ours)."""
+    engine = engine or EngineLaunch(checkpoint, settings, log_dir)
     prompts = build_prompts(checkpoint, settings)
     total_tokens = sum(len(p) for p in prompts.by_length.values()) + sum(int(r.token_ids.size) for r in prompts.agent)
     needed = total_tokens * BYTES_PER_TOKEN + (1 << 30)  # every chunk the run can write, raw, plus slack
-    port = free_port()
     workdirs = [Path(tempfile.mkdtemp(prefix=f"kvshrink-e2e-{n}-")) for n in ("stock", "ours")]
     spec, shm = ours_adapter(workdirs[1], template, workdirs[1].name.rsplit("-", 1)[-1], needed)
     sides = [Side(STOCK, stock_adapter(workdirs[0]), None, workdirs[0]), Side(OURS, spec, shm, workdirs[1])]
     model = model_fingerprint(checkpoint)
     trace = prompts.fingerprint(settings)
-    connector = {"kv_connector": "LMCacheMPConnector",
-                 "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port,
-                                               "lmcache.mp.heartbeat_interval": settings.heartbeat_s}}
-    vllm = VLLMServer(checkpoint, kv_transfer_config=connector, served_model_name=SERVED_NAME,
-                      log_path=log_dir / "vllm.log", env=SERVER_ENV)
     results = []
     try:
-        # a cache server must be up while vLLM starts (it registers its KV caches at start-up)
-        with cache_server(sides[0], port, settings.l1_size_gb, log_dir, settings=settings):
-            progress("starting vLLM")
-            vllm.start()
-            # warm the engine before either side is timed; its first store also starts the MP
-            # connector's heartbeat, which is what re-registers vLLM after each cache-server restart
-            _request(vllm.url, throwaway_prompt(), settings)
+        vllm_url = engine.wait_ready(progress)
         for side in sides:
-            records = measure_side(side, vllm.url, port, prompts, settings, log_dir,
+            records = measure_side(side, vllm_url, engine.port, prompts, settings, engine.log_dir,
                                    lambda s, n=side.name: progress(f"{n}: {s}"))
             budget = {"l1_size_gb": settings.l1_size_gb, "agent_l1_size_gb": settings.agent_l1_size_gb,
                       "l2_holds_every_chunk": _l2_holds(side, needed)}
             results.append(SideRun(side.name, Workload(trace, model, budget), figures_of(records),
-                                   {"records": records, "adapter": side.adapter, "logs": str(log_dir)}))
+                                   {"records": records, "adapter": side.adapter, "logs": str(engine.log_dir)}))
     finally:
-        vllm.stop()
+        engine.stop()
         for side in sides:
             side.drop_dram_tier()
         for workdir in workdirs:

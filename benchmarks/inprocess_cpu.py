@@ -78,7 +78,9 @@ def in_process_server(model: Path | str, config_file: Path | str, *, seed: str |
     from kvshrink.launch import VLLMServer
 
     server = VLLMServer(model, kv_transfer_config=IN_PROCESS_CONNECTOR, log_path=log_path,
-                        env={"LMCACHE_CONFIG_FILE": str(config_file), "VLLM_PLUGINS": "kvshrink", **(env or {})})
+                        env={"LMCACHE_CONFIG_FILE": str(config_file), "VLLM_PLUGINS": "kvshrink",
+                             # LMCacheActivity reads LMCache's INFO lines, whatever level this process uses
+                             "LMCACHE_LOG_LEVEL": "INFO", **(env or {})})
     if seed is None:
         server.env.pop("PYTHONHASHSEED", None)
     else:

@@ -230,9 +230,18 @@ class VLLMServer(ManagedProcess):
         return f"http://{LOOPBACK}:{self.port}"
 
     def start(self, timeout: float = 300.0) -> "VLLMServer":
-        super().start()
-        self.wait_until(lambda: _http_ok(f"{self.url}/v1/models"), timeout, "serving")
+        self.launch()
+        self.wait_serving(timeout)
         return self
+
+    def launch(self) -> "VLLMServer":
+        """Start the process without waiting: vLLM CPU takes a minute or more to serve, which a
+        caller may spend on other work before :meth:`wait_serving`."""
+        super().start()
+        return self
+
+    def wait_serving(self, timeout: float = 300.0) -> None:
+        self.wait_until(lambda: _http_ok(f"{self.url}/v1/models"), timeout, "serving")
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=10.0).text

@@ -8,8 +8,9 @@ vLLM numbers its published batches 0, 1, 2, ... per publisher process (a restart
 * ``FIRST`` — first message of a stream we never saw; ``missing_from`` says where history starts
   (0 or 1) so that a replay can fetch what came before, if possible.
 * ``GAP`` — numbers ``[expected, seq)`` were lost: replay them, or reset the stream's blocks.
-* ``RESTART`` — the number went backwards outside the window a replay just covered: the publisher
-  restarted, its cache is gone; reset the stream, then apply.
+* ``RESTART`` — the number went backwards outside the window a replay just covered, or back to the
+  very first number (a publisher only numbers from the start again after it restarted, even where a
+  replay covered that number): its cache is gone; reset the stream, then apply.
 * ``DUPLICATE`` — already applied (a replay and the live socket overlapped): skip.
 """
 
@@ -53,6 +54,8 @@ class SequenceTracker:
             return Observation(Verdict.APPLY)
         if seq > state.expected:
             return Observation(Verdict.GAP, missing_from=state.expected)
+        if seq == self.first_seq:
+            return Observation(Verdict.RESTART)
         if state.replayed is not None and state.replayed[0] <= seq <= state.replayed[1]:
             return Observation(Verdict.DUPLICATE)
         return Observation(Verdict.RESTART)

@@ -6,14 +6,11 @@ counters), both sides ran the same prompts, and greedy outputs agree.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from kvshrink.benchmarks import e2e_ttft
 from kvshrink.benchmarks.comparison import Metric, compare
 
 pytestmark = pytest.mark.e2e
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 
 
 def test_one_vllm_serves_both_sides_and_every_warm_request_hits(tmp_path) -> None:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from kvshrink.benchmarks import l2_throughput as lt
 from kvshrink.benchmarks.capacity_replay import chunk_pool
 from kvshrink.benchmarks.comparison import OURS, STOCK, Metric, compare
 
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 SETTINGS = lt.ThroughputSettings(keys_per_submit=2, rounds=1, warmup_rounds=0)
 
 

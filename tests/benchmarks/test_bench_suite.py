@@ -28,6 +28,13 @@ def test_a_failing_section_reports_its_error_not_a_table(tmp_path: Path, capsys:
     assert main(["bench", "--readme-from", str(out)]) == 1  # a failed run has no README section
 
 
+def test_timed_sections_run_first_and_the_report_keeps_the_documented_order() -> None:
+    from kvshrink.benchmarks.suite import SECTION_NAMES, execution_order
+
+    assert execution_order(SECTION_NAMES) == ["codec", "throughput", "capacity", "e2e"]
+    assert execution_order(["e2e", "codec"]) == ["codec", "e2e"]
+
+
 def test_unknown_section_is_a_usage_error() -> None:
     with pytest.raises(SystemExit, match="--sections"):
         main(["bench", "--sections", "capacity,speed"])

@@ -208,6 +208,16 @@ def test_sequence_tracker_verdicts():
     assert t.observe("s", 10).verdict is Verdict.APPLY
 
 
+def test_numbering_from_the_start_again_is_a_restart_even_inside_a_replayed_window():
+    """An engine whose first live batch was lost had 0.. replayed; once restarted it publishes 0 again."""
+    t = SequenceTracker(first_seq=0)
+    assert t.observe("s", 3).verdict is Verdict.FIRST
+    t.replayed("s", 0, 2)
+    t.applied("s", 3)
+    assert t.observe("s", 1).verdict is Verdict.DUPLICATE
+    assert t.observe("s", 0).verdict is Verdict.RESTART
+
+
 def test_unused_batch_type_is_harmless():
     state = _state()
     counts = vllm_ingest.apply_batch(state, state.registry.get("i0"), MODEL, DecodedBatch(ts=0.0, events=[]))

@@ -205,7 +205,12 @@ def test_restart_of_a_drops_its_blocks(cluster):
     _start_together(a2)
     # the restart shows as a new process start time on /metrics, or as sequence numbers from 0
     _complete(a2.url, _prompt(tok, "something else entirely"))
-    wait_for(lambda: _matched(index, prompt).get("A") == 0, timeout=60, what="A's old blocks dropped")
+    try:
+        wait_for(lambda: _matched(index, prompt).get("A") == 0, timeout=60, what="A's old blocks dropped")
+    except AssertionError as exc:  # say what the index saw of A's streams
+        seen = [line for line in httpx.get(f"{index.url}/metrics", timeout=10).text.splitlines()
+                if line.startswith(("kvshrink_index_sequence_gaps", "kvshrink_index_dropped"))]
+        raise AssertionError(f"{exc}; index counters: {seen}") from None
     ranked = _ranked(index, prompt)
     assert ranked[0]["instance_id"] == "B" and ranked[0]["matched_tokens"] > 0
 
