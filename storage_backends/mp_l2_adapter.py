@@ -25,14 +25,22 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
 * Load decodes straight into the caller's L1 buffers; a missing, corrupt or mismatched chunk is a
   0 bit in the result (LMCache then recomputes that chunk), never an exception.
 * Stored / accessed / deleted keys go through ``_notify_keys_*`` so LMCache's events, usage and
-  metrics see them. Chunks the store evicts on its own (last tier full) are not reported: the
-  store has no eviction callback yet (see the report of issue 4).
+  metrics see them. LMCache only knows what this process told it, so the adapter keeps the set
+  of keys it announced as stored (with their sizes) and tells LMCache ``deleted`` exactly once
+  per announcement, whichever way the chunk went: ``delete()``, the store's own eviction or
+  quarantine (its drop listener), or a lookup / load that finds an announced key missing (e.g.
+  Redis evicted it). Both announcements re-check the store under one lock, so racing stores,
+  evictions and deletes never leave LMCache believing the opposite of the store. A store of a
+  key the store already holds (left by an earlier server process) announces it without
+  rewriting it. Notifiers run on whichever thread saw the change (LMCache's caller, a task
+  thread, a store worker); LMCache's listeners and event bus are thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -123,9 +131,13 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         except BaseException:
             self._store.close()  # release the SSD directory lock and the arena for the next attempt
             raise
-        self._sizes: dict[bytes, int] = {}  # raw bytes of chunks this process reported as stored
-        self._sizes_lock = threading.Lock()
+        # store key -> (LMCache key, raw bytes) of every chunk LMCache was told is stored and not
+        # yet told is deleted; guarded by _report_lock, which also orders the notifications
+        self._announced: dict[bytes, tuple["ObjectKey", int]] = {}
+        self._report_lock = threading.RLock()
+        self._report_errors: Counter[str] = Counter()  # notifier failures on the lookup / load paths
         self._closed = False
+        self._store.add_drop_listener(self._announce_gone)
         log.info("KVShrinkL2Adapter ready: tiers %s", [t.name for t in config.store_config.tiers])
 
     # -- event fds ------------------------------------------------------------------------------
@@ -151,22 +163,59 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         from lmcache.v1.distributed.internal_api import L2StoreResult
 
         started: list[tuple["ObjectKey", bytes, int, Future]] = []
+        present: list[tuple["ObjectKey", bytes, int]] = []
         for key, obj in zip(keys, objects, strict=True):
             store_key = encode_object_key(key)
             if self._store.contains(store_key):
-                continue  # already stored (LMCache's own fs adapter skips these too)
+                present.append((key, store_key, obj.get_size()))  # not rewritten (as LMCache's fs adapter)
+                continue
             started.append((key, store_key, obj.get_size(), self._store.put(store_key, chunk_tensor(obj))))
 
         def settle(_: Any) -> L2StoreResult:
             stored = [(key, skey, size) for key, skey, size, fut in started if _put_succeeded(fut)]
-            with self._sizes_lock:  # a key stored by two racing tasks is reported once
-                new = [(key, skey, size) for key, skey, size in stored if skey not in self._sizes]
-                self._sizes.update((skey, size) for _, skey, size in new)
-            if new:
-                self._notify_keys_stored([k for k, _, _ in new], [s for _, _, s in new])
-            return L2StoreResult(len(stored) == len(started), sum(s for _, _, s in new))
+            new = self._announce_stored(stored + present)
+            written = {skey for _, skey, _ in stored}
+            return L2StoreResult(len(stored) == len(started), sum(s for _, k, s in new if k in written))
 
         return _then(when_all_done([f for *_, f in started]), settle)
+
+    def _announce_stored(self, entries: list[tuple["ObjectKey", bytes, int]]) -> list[tuple["ObjectKey", bytes, int]]:
+        """Tell LMCache about the chunks in ``entries`` it has not been told about and the store
+        still holds (one evicted before we got here is not announced); return those."""
+        with self._report_lock:  # a key stored by two racing tasks is announced once
+            fresh = list({skey: (key, skey, size) for key, skey, size in entries
+                          if skey not in self._announced}.values())
+            if not fresh:
+                return []
+            fresh = [e for e, held in zip(fresh, self._store.contains_many([e[1] for e in fresh])) if held]
+            self._announced.update((skey, (key, size)) for key, skey, size in fresh)
+            if fresh:
+                self._notify_keys_stored([k for k, _, _ in fresh], [s for _, _, s in fresh])
+            return fresh
+
+    def _announce_gone(self, store_keys: list[bytes]) -> None:
+        """Tell LMCache ``deleted`` for the announced keys among ``store_keys`` that the store no
+        longer holds, once each. Also the store's drop listener (runs on a store thread)."""
+        if not any(k in self._announced for k in store_keys):
+            return  # the common case, without the lock: stale answers are re-checked below
+        with self._report_lock:
+            known = [k for k in dict.fromkeys(store_keys) if k in self._announced]
+            if not known:
+                return
+            gone = [k for k, held in zip(known, self._store.contains_many(known)) if not held]
+            entries = [self._announced.pop(k) for k in gone]
+            if entries:
+                self._notify_keys_deleted([key for key, _ in entries], [size for _, size in entries])
+
+    def _announce_missing(self, store_keys: list[bytes], what: str) -> None:
+        """``_announce_gone`` for the misses of a lookup or load, whose result must not depend on
+        LMCache's listeners: a failure is logged and counted, not raised."""
+        try:
+            self._announce_gone(store_keys)
+        except Exception:
+            with self._report_lock:
+                self._report_errors[f"notify_deleted.{what}"] += 1
+            log.exception("KVShrinkL2Adapter: reporting %d missing chunks after a %s failed", len(store_keys), what)
 
     # -- lookup and lock -----------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list["ObjectKey"],
@@ -179,7 +228,9 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         return self._runner.lookup.take(task_id)
 
     def _lookup_and_lock(self, keys: list["ObjectKey"]) -> "Bitmap":
-        found = self._store.lock([encode_object_key(k) for k in keys])
+        store_keys = [encode_object_key(k) for k in keys]
+        found = self._store.lock(store_keys)
+        self._announce_missing([k for k, hit in zip(store_keys, found) if not hit], "lookup")  # e.g. Redis evicted it
         return _bitmap(len(keys), [i for i, hit in enumerate(found) if hit])
 
     def submit_unlock(self, keys: list["ObjectKey"]) -> None:
@@ -213,6 +264,8 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         hits = [i for i, chunk in enumerate(chunks) if chunk is not None]
         if hits:
             self._notify_keys_accessed([keys[i] for i in hits])
+        if len(hits) < len(keys):
+            self._announce_missing([k for k, chunk in zip(store_keys, chunks) if chunk is None], "load")
         return _bitmap(len(keys), hits)
 
     def _load_one(self, store_key: bytes, out: Any) -> Any:
@@ -224,22 +277,15 @@ class KVShrinkL2Adapter(L2AdapterInterface):
 
     # -- eviction, listing, status -------------------------------------------------------------
     def delete(self, keys: list["ObjectKey"]) -> None:
-        deleted: list["ObjectKey"] = []
-        sizes: list[int] = []
-        for key in keys:
-            store_key = encode_object_key(key)
+        """Remove the chunks; LMCache hears ``deleted`` for those it had been told are stored
+        (a chunk the store had evicted already was reported then, not again)."""
+        store_keys = [encode_object_key(k) for k in keys]
+        for store_key in store_keys:
             try:
-                removed = self._store.delete(store_key)
+                self._store.delete(store_key)
             except KVShrinkError as exc:
                 log.warning("KVShrinkL2Adapter: delete of %s failed: %s", store_key[:80], exc)
-                continue
-            if removed:
-                deleted.append(key)
-                with self._sizes_lock:
-                    # chunks stored before a restart were never counted in this process: size 0
-                    sizes.append(self._sizes.pop(store_key, 0))
-        if deleted:
-            self._notify_keys_deleted(deleted, sizes)
+        self._announce_gone(store_keys)
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
                      cursor: str | None = None) -> "KeyListPage":
@@ -270,19 +316,21 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         return KeyListPage(entries=tuple(entries), next_page_token=next_token)
 
     def _size_of(self, store_key: bytes) -> int:
-        with self._sizes_lock:
-            size = self._sizes.get(store_key)
-        if size is not None:
-            return size
+        with self._report_lock:
+            announced = self._announced.get(store_key)
+        if announced is not None:
+            return announced[1]
         header = self._store.header(store_key)
         return int(getattr(header, "raw_size", 0)) if header is not None else 0
 
     def report_status(self) -> dict:
         healthy = not self._closed
+        with self._report_lock:
+            report_errors = dict(self._report_errors)
         status: dict[str, Any] = {"is_healthy": healthy, "type": type(self).__name__,
                                   "tiers": [t.name for t in self._config.store_config.tiers],
                                   "in_flight_tasks": self._runner.in_flight(),
-                                  "boundary_errors": self._runner.errors()}
+                                  "boundary_errors": {**self._runner.errors(), **report_errors}}
         if healthy:
             status["store"] = self._store.stats()
         if any(t.compressed and t.method == "qat" for t in self._config.store_config.tiers):

@@ -11,6 +11,8 @@
   parallel and decodes in parallel into the caller's buffers.
 * ``lock`` / ``unlock`` pin chunks in the local tiers (LMCache's lookup-and-lock); ``header`` gives
   a chunk's dtype and shape before the caller allocates.
+* ``add_drop_listener`` tells an owner (an LMCache adapter mirroring the store's contents) which
+  keys left the store on the store's own initiative; see :class:`DropListeners`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvshrink.errors import KVShrinkError, StoreUnavailableError
 from kvshrink.store.config import StoreConfig, TierConfig
 from kvshrink.store.engine import CopyEngine
+from kvshrink.store.stats import Counters
 from kvshrink.store.tier import Tier, Victim, check_key
 from kvshrink.store import frames
 
@@ -44,6 +47,77 @@ def build_tier(config: TierConfig, is_pinned: Any) -> Tier:
     from kvshrink.store.redis_tier import RedisTier
 
     return RedisTier(config, is_pinned)
+
+
+DropListener = Callable[[list[bytes]], None]
+DROP_COUNTERS = ("keys_dropped", "drop_listener_errors")
+RECENT_DROPS = 4096  # keys remembered as reported, so racing removals of one key report it once
+
+
+class DropListeners:
+    """Who hears about keys that left the store without a ``delete()`` call.
+
+    A key is *dropped* when a tier removed it on its own and afterwards no tier holds it: evicted
+    from the last tier, evicted from a tier whose demotion below failed or had nothing to move,
+    or quarantined (corrupt, or its file vanished) during a read. A demotion is not a drop, and
+    neither is an eviction of a key that another tier (a write-back copy, Redis) still holds.
+
+    ``delete()`` never fires listeners: its caller learns the outcome from its return value.
+    Every removal is checked after it happens, so whoever removes a key's last copy reports it,
+    and a key is reported once per drop: the last :data:`RECENT_DROPS` reported keys are
+    remembered (until a tier takes the key again), so two racing removals (an eviction and a
+    read that found the chunk gone) do not report it twice. What the check cannot rule out: a
+    key removed by ``delete()`` at the same instant as an eviction may be reported too, and a
+    key re-``put`` between the check and the report is reported although it is back. An owner
+    that mirrors the store's contents therefore keeps its own set of announced keys and
+    re-checks ``contains`` under its own lock before it reports (as the LMCache MP adapter
+    does). Evictions Redis makes on its own (maxmemory, TTL) are invisible to the store and
+    never reported; an unreachable Redis counts as not holding a key.
+
+    Listeners get the keys (no sizes: a tier does not keep a victim's size) on the thread that
+    removed them, a store worker or a reader, after the store released its locks; they must be
+    quick and must not call ``put``/``flush``/``close`` of this store. An exception in a listener
+    is logged and counted (``drop_listener_errors``), never raised into the store.
+    """
+
+    def __init__(self) -> None:
+        self._listeners: list[DropListener] = []
+        self._recent: dict[bytes, None] = {}  # reported keys, oldest first
+        self._lock = threading.Lock()
+        self.counters = Counters(DROP_COUNTERS)
+
+    def add(self, listener: DropListener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove(self, listener: DropListener) -> None:
+        """Stop calling ``listener``; unknown listeners are ignored."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def stored(self, key: bytes) -> None:
+        """A tier took ``key`` (a put, a demotion): its next drop is news again."""
+        with self._lock:
+            self._recent.pop(key, None)
+
+    def fire(self, keys: list[bytes]) -> None:
+        """Count the ``keys`` not reported yet as dropped and tell every listener; never raises."""
+        with self._lock:
+            keys = [k for k in keys if k not in self._recent]
+            self._recent.update(dict.fromkeys(keys))
+            while len(self._recent) > RECENT_DROPS:
+                del self._recent[next(iter(self._recent))]
+            listeners = list(self._listeners)
+        if not keys:
+            return
+        self.counters.add("keys_dropped", len(keys))
+        for listener in listeners:
+            try:
+                listener(keys)
+            except Exception:  # a listener bug must not kill a store worker or fail a put
+                self.counters.add("drop_listener_errors")
+                log.exception("drop listener %r failed on %d keys", listener, len(keys))
 
 
 def _done(value: bool) -> Future:
@@ -72,6 +146,7 @@ class TieredStore:
         self._put_tiers = [i for i, t in enumerate(config.tiers) if t.put]
         self._write_back_tiers = [i for i, t in enumerate(config.tiers) if t.write_back and not t.put]
         self.engine = CopyEngine(config.engine)
+        self._drops = DropListeners()
         self._closed = False
 
     @classmethod
@@ -115,51 +190,75 @@ class TieredStore:
             return key in self._inflight
 
     def _store_job(self, key: bytes, chunk: Any, buf: Any) -> bool:
+        lost: list[bytes] = []
         try:
             encoded = frames.FrameSet(chunk=chunk)
             for index in self._put_tiers:
-                self._write(index, key, encoded.frame_for(self.tiers[index]))
+                self._write(index, key, encoded.frame_for(self.tiers[index]), lost)
         except KVShrinkError:
             self.engine.counters.add("put_errors")
             raise
         finally:
             self.engine.staging.release(buf)
+            self._report_dropped(lost)  # before the put's Future completes
         if self._write_back_tiers:
             self._schedule(self._copy_job, self._put_tiers[0], self._write_back_tiers, key)
         return True
 
-    def _write(self, index: int, key: bytes, frame: Any) -> None:
+    def _write(self, index: int, key: bytes, frame: Any, lost: list[bytes]) -> None:
         """Write a frame into tier ``index``; what it must evict is demoted to the tier below.
 
         Demote-then-evict: under the tier's write lock, the chunks the write will evict are
         first copied below (durably), and only then evicted (those first), so neither a crash
         nor a concurrent reader ever finds a chunk in no tier. Victims the plan did not foresee
-        (a planned chunk pinned meanwhile) are demoted after.
+        (a planned chunk pinned meanwhile) are demoted after. Keys that may have left the store
+        (every victim not demoted by this call: last-tier victims, failed demotions, planned
+        victims) are appended to ``lost``; the job checks and reports them once every lock is
+        released, so whichever writer removes a key's last copy reports it.
         """
         tier = self.tiers[index]
         if index + 1 == len(self.tiers):
-            tier.write_frame(key, frame)
+            lost += [v.key for v in tier.write_frame(key, frame)]
+            self._drops.stored(key)
             return
         below = self.tiers[index + 1]
         with self._write_locks[index]:
             planned = tier.plan_eviction(key, memoryview(frame).nbytes)
-            self._demote(index, [Victim(k, tier.read_frame(k)) for k in planned if not below.contains(k)])
+            self._demote(index, [Victim(k, tier.read_frame(k)) for k in planned if not below.contains(k)], lost)
             early = set(planned)
             victims = tier.write_frame(key, frame, keep_victims=lambda k: k not in early, evict_first=planned)
-        self._demote(index, [v for v in victims if v.key not in early])
+        self._drops.stored(key)
+        # a planned victim copied (or found) below may have been evicted there meanwhile, by a
+        # writer that then still saw it here: check it again once every lock is released
+        lost += [v.key for v in victims if v.key in early]
+        self._demote(index, [v for v in victims if v.key not in early], lost)
 
-    def _demote(self, index: int, victims: list[Victim]) -> None:
+    def _demote(self, index: int, victims: list[Victim], lost: list[bytes]) -> None:
         below = self.tiers[index + 1]
         for victim in victims:
-            if victim.frame is None or below.contains(victim.key):
-                continue  # already below (write-back) or nothing to move
+            if below.contains(victim.key):
+                continue  # already below (write-back)
+            if victim.frame is None:
+                lost.append(victim.key)  # nothing to move (file vanished, or gone before the plan ran)
+                continue
             try:
-                self._write(index + 1, victim.key, frames.convert(victim.frame, below))
+                self._write(index + 1, victim.key, frames.convert(victim.frame, below), lost)
             except KVShrinkError as exc:
                 self.engine.counters.add("background_errors")
                 log.warning("demotion of %s to tier %s failed: %s", victim.key.hex()[:32], below.name, exc)
+                lost.append(victim.key)
                 continue
             self.tiers[index].counters.add("demotions")
+
+    def _report_dropped(self, candidates: list[bytes]) -> None:
+        """Fire the drop listeners for the ``candidates`` no tier holds any more. Call with no
+        store lock held: the check may ask Redis, and listeners run on this thread."""
+        if not candidates:
+            return
+        keys = list(dict.fromkeys(candidates))
+        gone = [k for k, held in zip(keys, self.contains_many(keys)) if not held]
+        if gone:
+            self._drops.fire(gone)
 
     def _copy_job(self, source: int, targets: list[int], key: bytes) -> None:
         """Background copy of one chunk to other tiers (write-back down, promotion up),
@@ -171,8 +270,12 @@ class TieredStore:
         if frame is None:
             return  # evicted meanwhile; the eviction demoted it
         converted = frames.FrameSet(frame=frame)
-        for target in targets:
-            self._write(target, key, converted.frame_for(self.tiers[target]))
+        lost: list[bytes] = []
+        try:
+            for target in targets:
+                self._write(target, key, converted.frame_for(self.tiers[target]), lost)
+        finally:
+            self._report_dropped(lost)
 
     def _schedule(self, job: Any, *args: Any) -> bool:
         """Queue a background job; False (counted) when the background lane is full."""
@@ -226,6 +329,8 @@ class TieredStore:
             results[i], found_in[i] = chunk, tier_index
             if tier_index and self.config.promote_on_hit and self._schedule(self._copy_job, tier_index, [0], keys[i]):
                 self.engine.counters.add("promotions")
+        # a chunk held when the read began but read as a miss was quarantined (or its file vanished)
+        self._report_dropped([keys[i] for i in local if results[i] is None])
         return results
 
     def _held_locally(self, key: bytes) -> bool:
@@ -320,7 +425,8 @@ class TieredStore:
         return key in self._pins
 
     def delete(self, key: bytes) -> bool:
-        """Remove ``key`` from every tier; True if some tier held it."""
+        """Remove ``key`` from every tier; True if some tier held it. Drop listeners are not
+        told: the return value is the caller's notice."""
         key = check_key(key)
         return any([tier.delete(key) for tier in self.tiers])
 
@@ -337,12 +443,21 @@ class TieredStore:
                 log.warning("listing keys: %s", exc)
         return list(found)
 
+    def add_drop_listener(self, listener: DropListener) -> None:
+        """Call ``listener(keys)`` with keys that left the store by eviction or quarantine, once no
+        tier holds them (never for ``delete()``); see :class:`DropListeners` for the contract."""
+        self._drops.add(listener)
+
+    def remove_drop_listener(self, listener: DropListener) -> None:
+        self._drops.remove(listener)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters per tier and for the copy engine (see stats.StoreCollector for Prometheus)."""
         with self._lock:
             pinned = len(self._pins)
-        return {"tiers": {t.name: t.stats() for t in self.tiers}, "engine": {**self.engine.stats(), "pinned": pinned}}
+        engine = {**self.engine.stats(), **self._drops.counters.snapshot(), "pinned": pinned}
+        return {"tiers": {t.name: t.stats() for t in self.tiers}, "engine": engine}
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every put and background job queued so far (and the write-backs they
