@@ -284,6 +284,7 @@ def _lookup_and_retrieve(manager: Any, keys: Sequence[Any], content: Mapping[Any
             for i in range(0, len(block_keys), settings.retrieve_batch):
                 batch = block_keys[i:i + settings.retrieve_batch]
                 objs = manager.batched_get(batch, location=location)
+                _flush(manager, settings.put_timeout_s)  # this batch's promotions land before the next reads
                 ok = _verify_and_release(batch, objs, content, pool, location, settings.full_verify)
                 loaded += ok
                 if ok < len(batch):

@@ -187,8 +187,9 @@ class Side:
     workdir: Path
 
     def wait_persisted(self, server: Any, chunks: int, timeout: float) -> None:
-        """Until at least ``chunks`` chunks are on disk and the L2 side is idle, twice in a row
-        (stock: ``.data`` files of its fs adapter; ours: the store's SSD tier and work queues)."""
+        """Until the L2 side holds at least ``chunks`` chunks and is idle, twice in a row (stock:
+        ``.data`` files of its fs adapter; ours: the store's local tiers and work queues; with the
+        default exclusive tiers, our chunks reach the SSD when the server closes the store)."""
         deadline, steady, last = time.monotonic() + timeout, 0, None
         while time.monotonic() < deadline:
             state = self._disk_state(server)
@@ -209,8 +210,14 @@ class Side:
         status = adapter_status(server.http_url)
         engine = status["store"]["engine"]
         idle = not status["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
-        ssd = [t for t in status["store"]["tiers"].values() if t["kind"] == "ssd"]
-        return sum(t["chunks"] for t in ssd), idle
+        local = [t for t in status["store"]["tiers"].values() if t["kind"] in ("dram", "ssd")]
+        return sum(t["chunks"] for t in local), idle
+
+    def chunks_on_disk(self) -> int:
+        """Chunk files in this side's L2 directory (read with the cache server stopped)."""
+        if self.name == STOCK:
+            return sum(1 for _ in Path(self.adapter["base_path"]).rglob("*.data"))
+        return sum(1 for _ in (self.workdir / "kvshrink-ssd").rglob("*.kvc"))
 
     def drop_dram_tier(self) -> None:
         if self.shm_name:
@@ -255,6 +262,7 @@ def measure_side(side: Side, vllm_url: str, port: int, prompts: Prompts, setting
                  progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Cold, warm-DRAM and warm-SSD TTFT per length, then the agent replay; raw records."""
     records: dict[str, Any] = {"lengths": {}, "outputs": {}}
+    chunks = sum(n // CHUNK_TOKENS for n in prompts.by_length)
     with cache_server(side, port, settings.l1_size_gb, log_dir, vllm_url, settings) as server:
         meter = HitMeter(server)
         for n, prompt in prompts.by_length.items():
@@ -281,7 +289,10 @@ def measure_side(side: Side, vllm_url: str, port: int, prompts: Prompts, setting
                                      "warm_l2_all": [r.ttft_s for r in l2], "warm_l2_hits": l2_hits}
             records["outputs"][n] = {"cold": cold.text, "warm": [r.text for r in warm + l2]}
         wait_settled(server, settings.settle_timeout_s)
-        side.wait_persisted(server, sum(n // CHUNK_TOKENS for n in prompts.by_length), settings.settle_timeout_s)
+        side.wait_persisted(server, chunks, settings.settle_timeout_s)
+    if side.chunks_on_disk() < chunks:
+        raise KVShrinkError(f"{side.name}: {side.chunks_on_disk()} chunk files on disk after the cache server "
+                            f"stopped, expected at least {chunks}; warm-SSD would measure a recompute")
     side.drop_dram_tier()  # warm-SSD: only what survived on disk
     with cache_server(side, port, settings.l1_size_gb, log_dir, vllm_url, settings) as server:
         meter = HitMeter(server)

@@ -87,6 +87,9 @@ class StoreConfig:
     tiers: tuple[TierConfig, ...]
     engine: EngineConfig = field(default_factory=EngineConfig)
     promote_on_hit: bool = True
+    # close() copies what only a faster tier holds down to the next one: with exclusive tiers
+    # (no write_back) a clean shutdown then keeps it on SSD, not only in /dev/shm
+    persist_on_close: bool = False
 
     @classmethod
     def load(cls, source: "str | Path | Mapping[str, Any] | StoreConfig") -> "StoreConfig":
@@ -118,7 +121,7 @@ _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 def parse_store_config(data: Any) -> StoreConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", f"expected a mapping with a 'tiers' list, got {type(data).__name__}")
-    _reject_unknown(data, {"tiers", "engine", "promote_on_hit"}, "")
+    _reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close"}, "")
     tiers_data = data.get("tiers")
     if not isinstance(tiers_data, list) or not tiers_data:
         raise ConfigError("tiers", "expected a non-empty list of tiers, fastest first")
@@ -131,7 +134,8 @@ def parse_store_config(data: Any) -> StoreConfig:
         tiers = (replace(tiers[0], put=True),) + tiers[1:]
     engine = _parse_engine(data.get("engine", {}))
     promote = _bool(data.get("promote_on_hit", True), "promote_on_hit")
-    return StoreConfig(tiers=tiers, engine=engine, promote_on_hit=promote)
+    persist = _bool(data.get("persist_on_close", False), "persist_on_close")
+    return StoreConfig(tiers=tiers, engine=engine, promote_on_hit=promote, persist_on_close=persist)
 
 
 def _parse_tier(data: Any, index: int) -> TierConfig:

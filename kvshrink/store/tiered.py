@@ -476,8 +476,36 @@ class TieredStore:
             return
         self._closed = True
         self.engine.close()
-        for tier in self.tiers:
-            tier.close()
+        try:
+            if self.config.persist_on_close:
+                self._persist_down()
+        finally:
+            for tier in self.tiers:
+                tier.close()
+
+    def _persist_down(self) -> None:
+        """Copy every chunk that only tier *i* holds into tier *i+1*, oldest first, so that what
+        the slower tier has to evict for them is the oldest too. Runs in ``close`` after the
+        queues drained; a failed copy is counted and logged, the chunk stays where it was."""
+        started, copied, lost = time.monotonic(), 0, []
+        for index, (tier, below) in enumerate(zip(self.tiers, self.tiers[1:])):
+            for key in tier.keys():
+                if below.contains(key):
+                    continue
+                frame = tier.read_frame(key)
+                if frame is None:
+                    continue
+                try:
+                    self._write(index + 1, key, frames.convert(frame, below), lost)
+                except KVShrinkError as exc:
+                    self.engine.counters.add("background_errors")
+                    log.warning("persisting %s to tier %s failed: %s", key.hex()[:32], below.name, exc)
+                    continue
+                tier.counters.add("demotions")
+                copied += 1
+        self._report_dropped(lost)
+        if copied:
+            log.info("close: persisted %d chunks to slower tiers in %.2f s", copied, time.monotonic() - started)
 
     def __enter__(self) -> "TieredStore":
         return self

@@ -4,6 +4,7 @@ backpressure, pinning, stats."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,6 +261,27 @@ def test_reopen_after_close_keeps_both_tiers(tmp_path, shm_name, real_chunks):
     with TieredStore.from_config(cfg) as store:
         assert store.tiers[0].contains(b"k") and store.tiers[1].contains(b"k")
         assert np.array_equal(store.get(b"k"), real_chunks[0])
+
+
+@pytest.mark.parametrize("persist", [True, False])
+def test_exclusive_tiers_keep_dram_only_chunks_on_ssd_after_a_clean_close(tmp_path, shm_name, real_chunks, persist):
+    """No write-back: chunks live in DRAM only until evicted. ``persist_on_close`` copies them to
+    the SSD on close, so they survive losing /dev/shm (a reboot); without it they do not."""
+    cfg = {**config(tmp_path, shm_name, dram=24 * MiB, ssd=18 * MiB, write_back=False), "persist_on_close": persist}
+    keys = [b"k%d" % i for i in range(6)]
+    with TieredStore.from_config(cfg) as store:
+        for key, chunk in zip(keys, real_chunks):  # DRAM holds 4 raw chunks: k0 and k1 are demoted to SSD
+            store.put(key, chunk).result(timeout=60)
+        store.flush(timeout=60)
+        assert store.tiers[0].keys() == keys[2:] and store.tiers[1].keys() == keys[:2]
+    (Path("/dev/shm") / shm_name).unlink()  # the DRAM tier is gone
+    with TieredStore.from_config(cfg) as store:
+        if persist:  # the SSD has room for 4 compressed chunks: the newest, which only DRAM held, win
+            assert store.tiers[1].keys() == keys[2:]
+            for key in keys[2:]:
+                assert np.array_equal(store.get(key), real_chunks[int(key[1:])])
+        else:
+            assert store.tiers[1].keys() == keys[:2]
 
 
 def test_from_yaml_file(tmp_path, shm_name, real_chunks):
