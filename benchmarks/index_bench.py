@@ -16,9 +16,12 @@
   logic (JSON ``token_bytes`` + ``loads`` + ``instances``) — also from a bare-socket client, which
   shows what the service and the kernel cost without httpx's own ~1 ms per request —, with msgpack
   ``token_bytes``, and the routing logic's whole ``route_request`` (body building, httpx, answer
-  parsing; clients in ``index_bench_clients``). Garbage collections during each measurement and
-  their longest pause are counted (the service runs in this process). The 1-minute
-  load average before and after every measurement is reported with it, and a fixed ~1 ms
+  parsing; clients in ``index_bench_clients``). For each HTTP form the service thread's CPU per
+  request is reported ("srv"), next to the in-process lookup's own CPU: the service's HTTP cost is
+  their difference — compare them within one repeat, this machine's CPU speed drifts over minutes.
+  Garbage collections during each measurement and their longest pause are counted (the service
+  runs in this process). The 1-minute load average before and after every measurement is
+  reported with it, and a fixed ~1 ms
   pure-Python loop is timed the same way as a reference: this machine is shared, and that loop's
   p99 is the floor under every other p99 in the table.
   Target: p99 ≤ 5 ms at 32K tokens, 64 instances.
@@ -221,11 +224,15 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
 
-def timed(name: str, fn, *args) -> dict:
-    """Run one latency measurement; its p50 / p99 / max with the load average around it."""
+def timed(name: str, fn, *args, server: IndexServer | None = None, requests: int = 0) -> dict:
+    """Run one latency measurement; its p50 / p99 / max with the load average around it, and with
+    ``server``, the service thread's CPU time per request over the ``requests`` it was sent."""
     before = load_average()
+    server_cpu = server.thread_cpu_s() if server is not None else 0.0
     with GcPauses() as pauses:
         samples = fn(*args)
+    if server is not None:
+        server_cpu = server.thread_cpu_s() - server_cpu
     cpu = None
     if isinstance(samples, tuple):  # (wall, cpu) from the in-process loop
         samples, cpu = samples
@@ -234,6 +241,8 @@ def timed(name: str, fn, *args) -> dict:
            "gc_collections": pauses.count, "gc_longest_ms": pauses.longest_s * 1e3}
     if cpu is not None:
         row.update(cpu_p50_ms=percentile_ms(cpu, 50), cpu_p99_ms=percentile_ms(cpu, 99))
+    if server is not None:
+        row["server_cpu_ms_per_request"] = server_cpu * 1e3 / requests
     return row
 
 
@@ -295,7 +304,9 @@ def bench_lookup(args: argparse.Namespace, block_size: int) -> list[dict]:
                     ("router route_request", pool.apply, route_latencies, (server.url, prompt, loads, n, w)),
                 ]
                 for name, fn, *fn_args in measures:
-                    rows.append({"block_size": block_size, "repeat": repeat, **timed(name, fn, *fn_args)})
+                    over_http = fn == pool.apply  # the client sends warm-up + timed requests to the service
+                    rows.append({"block_size": block_size, "repeat": repeat,
+                                 **timed(name, fn, *fn_args, server=server if over_http else None, requests=n + w)})
         index_blocks = len(state.index)
     for row in rows:
         row.update(index_blocks=index_blocks, matched_tokens_top3=matched[:3])
@@ -375,8 +386,11 @@ def print_report(res: dict) -> None:
           f"{setup['lookups']} timed after {setup['warmup']} warm-up (target p99 <= {setup['target_p99_ms']} ms)")
     print(f"{'block':>5} {'rep':>3}  {'measure':<28} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'CPU p50/p99':>12}"
           f"  {'GC n/longest ms':>15}  {'load 1-min before/after':>23}")
+    print(f"{'':>38}(CPU: in-process, the lookup's own; over HTTP, the service thread's per request)")
     for row in res["lookup"]:
         cpu = f"{row['cpu_p50_ms']:.2f}/{row['cpu_p99_ms']:.2f}" if "cpu_p50_ms" in row else ""
+        if "server_cpu_ms_per_request" in row:
+            cpu = f"srv {row['server_cpu_ms_per_request']:.2f}"
         gcs = f"{row['gc_collections']}/{row['gc_longest_ms']:.1f}"
         print(f"{row['block_size']:>5} {row['repeat']:>3}  {row['name']:<28} {row['p50_ms']:>7.2f} {row['p99_ms']:>7.2f} "
               f"{row['max_ms']:>7.1f} {cpu:>12}  {gcs:>15}  {row['load_before']:>11.2f} / {row['load_after']:<9.2f}")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 
 from kvshrink.plugins.router_logic import KVShrinkRoutingLogic
 
@@ -80,8 +81,32 @@ def raw_http_latencies(url: str, body: bytes, content_type: str, n: int, warmup:
     return out
 
 
+_sockets: dict[str, socket.socket] = {}  # url -> keep-alive connection of this client process
+
+
+def raw_lookup_once(url: str, request: bytes) -> tuple[float, float]:
+    """One ready-made ``POST /lookup`` on this process's keep-alive socket to ``url``: (wall seconds,
+    the answer's ``elapsed_ms``: the service's own lookup time)."""
+    sock = _sockets.get(url)
+    if sock is None:
+        parts = urlsplit(url)
+        sock = _sockets[url] = socket.create_connection((parts.hostname, parts.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t = time.perf_counter()
+    sock.sendall(request)
+    status, body = _read_full_response(sock)
+    wall = time.perf_counter() - t
+    if status != 200:
+        raise RuntimeError(f"POST /lookup answered {status}: {body[:200]!r}")
+    return wall, msgspec.json.decode(body)["elapsed_ms"]
+
+
 def _read_response(sock: socket.socket) -> int:
     """Read one HTTP/1.1 response with a Content-Length body; its status code."""
+    return _read_full_response(sock)[0]
+
+
+def _read_full_response(sock: socket.socket) -> tuple[int, bytes]:
     data = b""
     while b"\r\n\r\n" not in data:
         data += _recv(sock)
@@ -90,7 +115,7 @@ def _read_response(sock: socket.socket) -> int:
     length = next(int(line.split(b":", 1)[1]) for line in lines[1:] if line.lower().startswith(b"content-length:"))
     while len(rest) < length:
         rest += _recv(sock)
-    return int(lines[0].split()[1])
+    return int(lines[0].split()[1]), rest[:length]
 
 
 def _recv(sock: socket.socket) -> bytes:

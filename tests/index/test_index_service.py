@@ -178,6 +178,22 @@ def test_block_index_is_out_of_the_collectors_sight_while_serving(start_index):
     assert any(obj is entries for obj in gc.get_objects())
 
 
+def test_service_thread_cpu_is_measured_and_runs_on_uvloop_httptools(start_index, http):
+    """Benchmarks divide the serving thread's CPU by their requests; without uvloop / httptools the
+    service would fall back to a slower stack (and log it)."""
+    from kvshrink.errors import KVShrinkError
+    from kvshrink.index.server import IndexServer, missing_fast_http
+
+    with pytest.raises(KVShrinkError, match="start"):
+        IndexServer(make_config(zmq=False)).thread_cpu_s()
+    server = start_index(make_config(zmq=False))
+    before = server.thread_cpu_s()
+    for _ in range(20):
+        assert http.get(f"{server.url}/healthz").status_code == 200
+    assert server.thread_cpu_s() > before
+    assert missing_fast_http() == []
+
+
 def test_token_bytes_json_and_msgpack_bodies(start_index, http):
     import base64
     import struct
