@@ -25,19 +25,6 @@ def chunk_files(ssd: Path) -> list[Path]:
     return sorted((ssd / "chunks").rglob("*.kvc"))
 
 
-@pytest.fixture
-def open_adapter():
-    """Build adapters from adapter_params; close them (and their shm arenas) afterwards."""
-    made = []
-
-    def build(params: dict):
-        adapter = build_from_json(plugin_json(params))
-        made.append(adapter)
-        return adapter
-
-    yield build
-    for adapter in made:
-        adapter.close()
 
 
 # -- construction errors name the key to fix -------------------------------------------------------

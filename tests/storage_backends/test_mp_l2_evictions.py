@@ -10,8 +10,7 @@ import time
 from collections import Counter
 
 import pytest
-from l2_harness import (L2Driver, RecordingListener, build_from_json, memory_obj, object_key,
-                        plugin_json)
+from l2_harness import L2Driver, RecordingListener, memory_obj, object_key
 
 from kvshrink.storage_backends.keys import encode_object_key
 
@@ -23,18 +22,6 @@ def small_store(shm_name: str, ssd_path, chunk_bytes: int, *, write_back: bool =
                        "write_back": write_back}]}
 
 
-@pytest.fixture
-def open_adapter():
-    made = []
-
-    def build(params: dict):
-        adapter = build_from_json(plugin_json(params))
-        made.append(adapter)
-        return adapter
-
-    yield build
-    for adapter in made:
-        adapter.close()
 
 
 def wait_quiet(adapter, timeout: float = 60.0) -> None:
