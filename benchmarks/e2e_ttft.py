@@ -441,16 +441,24 @@ def _l2_holds(side: Side, needed: int) -> bool:
 
 
 def _check_outputs(stock: SideRun, ours: SideRun) -> None:
-    """Greedy outputs must not depend on where the KV came from: record every disagreement."""
-    mismatches = []
+    """KVShrink must answer exactly as stock LMCache does in every scenario (its codec is bit-exact,
+    so the KV it serves is stock's KV): every disagreement is recorded as a mismatch.
+
+    Warm and cold answers of one side may differ where a prompt ends inside a chunk: the cached
+    prefix stops at the last whole chunk and vLLM CPU computes the tail in a differently shaped
+    bf16 batch, which can flip a greedy token (it happens with stock LMCache alike). Those are
+    recorded apart, as ``cold_vs_warm``, not as mismatches."""
+    mismatches, cold_vs_warm = [], []
     for n, s_out in stock.details["records"]["outputs"].items():
         o_out = ours.details["records"]["outputs"][n]
-        reference = s_out["cold"]
-        for label, text in [("stock warm", t) for t in s_out["warm"]] + [("stock warm_ssd", s_out["warm_ssd"]),
-                            ("ours cold", o_out["cold"]), ("ours warm_ssd", o_out["warm_ssd"])] + \
-                [("ours warm", t) for t in o_out["warm"]]:
-            if text != reference:
-                mismatches.append(f"{n} tokens, {label}: {text!r} != stock cold {reference!r}")
+        s_all = [("cold", s_out["cold"])] + [("warm", t) for t in s_out["warm"]] + [("warm_ssd", s_out["warm_ssd"])]
+        o_all = [("cold", o_out["cold"])] + [("warm", t) for t in o_out["warm"]] + [("warm_ssd", o_out["warm_ssd"])]
+        for (label, s_text), (_, o_text) in zip(s_all, o_all, strict=True):
+            if o_text != s_text:
+                mismatches.append(f"{n} tokens, {label}: ours {o_text!r} != stock {s_text!r}")
+        if any(text != s_out["cold"] for _, text in s_all[1:]):
+            cold_vs_warm.append(n)
     for run in (stock, ours):
         run.details["output_mismatches"] = mismatches
+        run.details["cold_vs_warm_differs"] = cold_vs_warm
         run.figures["output_mismatches"] = float(len(mismatches))

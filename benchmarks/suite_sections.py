@@ -255,8 +255,12 @@ def e2e(ctx: Context) -> Section:
         r = ours.figures["4096.warm_ssd_over_cold"]
         section.target("4K tokens: warm-SSD TTFT after restart <= 0.3x cold (ours)", r <= 0.3, f"{r:.2f}x")
     mismatches = stock.details["output_mismatches"]
-    section.target("greedy outputs identical whatever served the KV", not mismatches,
-                   f"{len(mismatches)} mismatch(es)" + (f": {mismatches[0]}" if mismatches else ""))
+    section.target("greedy outputs of ours identical to stock's in every scenario (cold, warm, warm-SSD)",
+                   not mismatches, f"{len(mismatches)} mismatch(es)" + (f": {mismatches[0]}" if mismatches else ""))
+    if stock.details["cold_vs_warm_differs"]:
+        section.notes.append(f"at {stock.details['cold_vs_warm_differs']} tokens (not whole 256-token chunks) warm "
+                             "answers differ from cold ones on both sides alike: vLLM CPU computes the uncached tail "
+                             "in a differently shaped bf16 batch")
     for run in (stock, ours):
         missed = [n for n in settings.lengths if min(run.figures[f"{n}.warm_dram_hit_tokens"],
                                                      run.figures[f"{n}.warm_l2_hit_tokens"],

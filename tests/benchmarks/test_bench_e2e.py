@@ -25,5 +25,6 @@ def test_one_vllm_serves_both_sides_and_every_warm_request_hits(tmp_path) -> Non
         assert record["warm_l2_hits"]["l2_hit_tokens"] == 768 and record["warm_l2_hits"]["l1_hit_tokens"] == 0
         assert record["warm_ssd_hits"]["l2_hit_tokens"] == 768
     assert stock.details["output_mismatches"] == []
+    assert stock.details["cold_vs_warm_differs"] == []  # whole chunks: warm answers equal cold ones
     rows = compare("e2e", "768", stock.scoped("768."), ours.scoped("768."), [Metric("cold_ttft_s", "s", False)])
     assert rows[0].stock > 0 and rows[0].ours > 0
