@@ -288,8 +288,10 @@ def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int
     labels = {label for side in results.values() for label in side.texts}
     same = all(len({t for side in results.values() for t in side.texts.get(label, [])}) == 1
                for label in labels if not label.endswith("long"))
-    same_long = [len({side.texts["cold_long"][r] for side in results.values()} |
-                     {side.texts["after_restart_long"][r] for side in results.values()}) == 1 for r in range(rounds)]
+    # per scenario, ours must answer as stock does; a warm answer may differ from the cold one on
+    # both sides alike (vLLM CPU computes the uncached tail in a differently shaped bf16 batch)
+    same_long = [len({side.texts[label][r] for side in results.values()}) == 1
+                 for r in range(rounds) for label in ("cold_long", "after_restart_long")]
     all_hit = {name: {label: all(h == _expected(label, short, longs) for h in hits) for label, hits in side.hits.items()}
                for name, side in results.items()}
     return {"short_tokens": short_tokens, "long_tokens": long_tokens, "rounds": rounds, "repeats": repeats,
@@ -320,7 +322,7 @@ def print_report(result: dict[str, Any], out: Callable[[str], None] = print) -> 
     for name, side in result["sides"].items():
         out(f"LMCache hit tokens, {name}: {side['hits']}")
     out(f"every request hit as expected: {result['hits_as_expected']}")
-    out(f"same output text for each prompt on both sides: {result['same_output_text_per_prompt']}")
+    out(f"same output text for each prompt and scenario on both sides: {result['same_output_text_per_prompt']}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
