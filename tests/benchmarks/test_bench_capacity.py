@@ -7,7 +7,6 @@ silently dropped is caught.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ TINY = dict(sessions=4, turns=3, concurrency=2, system_tokens=600, tokens_per_tu
 BUDGET = cr.Budget(dram_mib=96, ssd_mib=32)  # below the trace's ~25 chunks: eviction happens
 SETTINGS = cr.ReplaySettings(pool_chunks=4, retrieve_batch=4, full_verify=True)
 METRICS = [Metric("chunk_hit_rate", "fraction"), Metric("tokens_held_per_gb", "tokens/GB")]
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # LMCache logs every chunk operation otherwise
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,8 @@ class Stack:
 
         self.generation += 1
         self.cache = LMCacheServer(port=self.port, l1_size_gb=0.5, l2_adapters=[self.adapter_spec()],
-                                   log_path=self.workdir / f"lmcache-{self.generation}.log")
+                                   log_path=self.workdir / f"lmcache-{self.generation}.log",
+                                   env={"LMCACHE_LOG_LEVEL": "INFO"})  # _retrieved_tokens reads its INFO lines
         self.port = self.cache.port
         self.cache.start()
 
