@@ -290,8 +290,9 @@ def measure_side(side: Side, vllm_url: str, port: int, prompts: Prompts, setting
             records["outputs"][n] = {"cold": cold.text, "warm": [r.text for r in warm + l2]}
         wait_settled(server, settings.settle_timeout_s)
         side.wait_persisted(server, chunks, settings.settle_timeout_s)
-    if side.chunks_on_disk() < chunks:
-        raise KVShrinkError(f"{side.name}: {side.chunks_on_disk()} chunk files on disk after the cache server "
+    on_disk = side.chunks_on_disk()
+    if on_disk < chunks:
+        raise KVShrinkError(f"{side.name}: {on_disk} chunk files on disk after the cache server "
                             f"stopped, expected at least {chunks}; warm-SSD would measure a recompute")
     side.drop_dram_tier()  # warm-SSD: only what survived on disk
     with cache_server(side, port, settings.l1_size_gb, log_dir, vllm_url, settings) as server:
