@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, trace_fingerprint
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
+from kvshrink.polling import poll_until
 
 if TYPE_CHECKING:
     import torch
@@ -354,12 +355,9 @@ def _store_missing(manager: Any, keys: Sequence[Any], content: Mapping[Any, int]
 
 
 def _wait_puts(manager: Any, keys: Sequence[Any], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
     backends = list(manager.storage_backends.values())
-    while any(b.exists_in_put_tasks(k) for b in backends for k in keys):
-        if time.monotonic() > deadline:
-            raise KVShrinkError(f"puts still in flight after {timeout:.0f} s")
-        time.sleep(0.0005)
+    poll_until(lambda: not any(b.exists_in_put_tasks(k) for b in backends for k in keys), timeout,
+               interval=0.0005, what="the puts in flight to finish", error=KVShrinkError)
 
 
 def _flush(manager: Any, timeout: float) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, model_fingerprint
 from kvshrink.errors import KVShrinkError
+from kvshrink.polling import poll_until
 
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 ADAPTER_CLASS = "KVShrinkL2Adapter"
@@ -166,15 +167,16 @@ def clear_l1(server: Any) -> None:
 
 def wait_settled(server: Any, timeout: float) -> None:
     """Until the cache server has no store in flight (twice in a row)."""
-    deadline, quiet = time.monotonic() + timeout, 0
-    while time.monotonic() < deadline:
+    quiet = 0
+
+    def quiet_twice() -> bool:
+        nonlocal quiet
         controller = server.status().get("storage_manager", {}).get("store_controller", {})
         busy = controller.get("pending_keys_count", 0) + controller.get("in_flight_task_count", 0)
         quiet = quiet + 1 if busy == 0 else 0
-        if quiet >= 2:
-            return
-        time.sleep(0.25)
-    raise KVShrinkError(f"cache server stores still in flight after {timeout:.0f} s")
+        return quiet >= 2
+
+    poll_until(quiet_twice, timeout, what="the cache server's stores in flight to finish", error=KVShrinkError)
 
 
 @dataclass

@@ -23,6 +23,8 @@ from typing import IO, Any
 
 import httpx
 
+from kvshrink.polling import poll_until
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -68,14 +70,13 @@ class ManagedProcess:
         return self
 
     def wait_until(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready_while_running() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(f"{self.name} exited with {self.proc.returncode} before {what}:\n{log_tail(self.log_path)}")
-            if ready():
-                return
-            time.sleep(0.25)
-        raise ServerStartError(f"{self.name} not {what} after {timeout:.0f} s:\n{log_tail(self.log_path)}")
+            return ready()
+
+        poll_until(ready_while_running, timeout, what=f"{self.name} to be {what}",
+                   error=lambda message: ServerStartError(f"{message}:\n{log_tail(self.log_path)}"))
 
     @property
     def running(self) -> bool:

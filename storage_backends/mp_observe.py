@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from kvshrink.polling import poll_until
+
 # vLLM's MP connector notices a cache-server restart only when a heartbeat ping fails; a server
 # back within one interval is never re-registered with (LMCache 0.5.6). Engines attached by our
 # tests and benchmarks ping every HEARTBEAT_S, and a restart keeps the port closed for longer.
@@ -79,23 +81,23 @@ def wait_for_engine(http_url: str, timeout: float = 120.0, settle_s: float = RES
     """Wait until an engine (vLLM) has registered its KV caches with this cache server, then
     ``settle_s`` more: vLLM's scheduler-side connector skips lookups until its own heartbeat has
     seen the server healthy again. Requests sent before that are misses."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def engine_registered() -> bool:
         status = httpx.get(f"{http_url}/status", timeout=10.0).json()
-        if status.get("registered_non_cuda_instance_ids") or status.get("registered_gpu_ids"):
-            time.sleep(settle_s)
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"no engine registered with the cache server at {http_url} within {timeout:.0f} s")
+        return bool(status.get("registered_non_cuda_instance_ids") or status.get("registered_gpu_ids"))
+
+    poll_until(engine_registered, timeout, interval=0.5,
+               what=f"an engine to register with the cache server at {http_url}")
+    time.sleep(settle_s)
 
 
 def wait_for_store(http_url: str, tier: str, chunks: int, timeout: float = 60.0) -> dict[str, Any]:
     """Wait until our adapter's ``tier`` holds at least ``chunks`` chunks (write-back finished)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    tiers: dict[str, Any] = {}  # the last reading, also for the error message
+
+    def tiers_once_filled() -> dict[str, Any] | None:
+        nonlocal tiers
         tiers = adapter_status(http_url)["store"]["tiers"]
-        if tiers[tier]["chunks"] >= chunks:
-            return tiers
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"tier {tier} holds {tiers[tier]['chunks']} chunks, expected {chunks}")
-        time.sleep(0.25)
+        return tiers if tiers[tier]["chunks"] >= chunks else None
+
+    return poll_until(tiers_once_filled, timeout, what=f"tier {tier} to hold {chunks} chunks",
+                      error=lambda message: TimeoutError(f"{message} (it holds {tiers[tier]['chunks']})"))

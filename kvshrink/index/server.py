@@ -16,6 +16,7 @@ import uvicorn
 from kvshrink.errors import KVShrinkError
 from kvshrink.index.app import create_app
 from kvshrink.index.config import IndexConfig
+from kvshrink.polling import poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +67,16 @@ class IndexServer:
     def start(self, timeout: float = 20.0) -> "IndexServer":
         self._thread = threading.Thread(target=self._server.run, name="kvshrink-index-http", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive():
+        thread = self._thread
+
+        def started() -> bool:
+            if self._server.started:
+                return True
+            if not thread.is_alive():
                 raise KVShrinkError(f"index service failed to start on {self.url} (see log)")
-            if time.monotonic() > deadline:
-                raise KVShrinkError(f"index service not up on {self.url} after {timeout:.0f} s")
-            time.sleep(0.02)
+            return False
+
+        poll_until(started, timeout, interval=0.02, what=f"the index service on {self.url}", error=KVShrinkError)
         return self
 
     def stop(self) -> None:

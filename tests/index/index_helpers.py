@@ -9,6 +9,7 @@ import msgspec
 
 from kvshrink.index.config import IndexConfig, config_from_dict
 from kvshrink.launch import free_port
+from kvshrink.polling import poll_until
 
 MODEL = "test-model"
 
@@ -21,13 +22,7 @@ def make_config(zmq: bool = True, **overrides: Any) -> IndexConfig:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return poll_until(predicate, timeout, interval=0.02, what=what, error=AssertionError)
 
 
 # -- vLLM's own event classes (the installed vLLM 0.32: array envelope, ``type``-tagged map events) --

@@ -6,7 +6,7 @@ the second retrieved whole chunks, and the greedy tokens must equal plain vLLM's
 
 from __future__ import annotations
 
-import time
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from kvshrink.benchmarks.inprocess_cpu import (
     in_process_server,
     prompt_token_ids,
 )
+from kvshrink.polling import poll_until
 
 pytestmark = pytest.mark.e2e
 
@@ -81,13 +82,13 @@ def test_second_request_is_served_from_lmcache_and_matches_plain_vllm(model, pro
 
 
 def _chunk_files(directory: Path, count: int, timeout: float = 60.0) -> list[Path]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = sorted(directory.rglob("*.pt"))
-        if len(files) >= count:
-            return files
-        time.sleep(0.5)
-    return sorted(directory.rglob("*.pt"))
+    """LMCache's chunk files under ``directory`` once there are ``count``, or those there at the timeout."""
+    def files() -> list[Path]:
+        return sorted(directory.rglob("*.pt"))
+
+    with contextlib.suppress(TimeoutError):
+        poll_until(lambda: len(files()) >= count, timeout, interval=0.5)
+    return files()
 
 
 def test_unset_hash_seed_still_hits_and_stores_the_models_kv(model, prompt, plain_tokens, tmp_path) -> None:

@@ -8,13 +8,15 @@ LocalCPUBackend starts empty, so the retrieval must come from our plugin's SSD t
 
 from __future__ import annotations
 
-import time
+import contextlib
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 from l2_harness import SHM_DIR, greedy
+
+from kvshrink.polling import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -35,13 +37,13 @@ def private_config(tmp_path: Path, shm: str) -> Path:
 
 
 def wait_for_files(directory: Path, count: int, timeout: float = 120.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sum(1 for _ in directory.rglob("*.kvc"))
-        if found >= count:
-            return found
-        time.sleep(0.5)
-    return sum(1 for _ in directory.rglob("*.kvc"))
+    """The number of chunk files under ``directory`` once there are ``count``, or at the timeout."""
+    def found() -> int:
+        return sum(1 for _ in directory.rglob("*.kvc"))
+
+    with contextlib.suppress(TimeoutError):
+        poll_until(lambda: found() >= count, timeout, interval=0.5)
+    return found()
 
 
 def test_two_requests_then_a_restart_served_by_our_storage_plugin(model, prompt, plain_tokens, tmp_path):

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 from l2_harness import L2Driver, RecordingListener, memory_obj, object_key
 
+from kvshrink.polling import poll_until
 from kvshrink.storage_backends.keys import encode_object_key
 
 
@@ -26,13 +27,12 @@ def small_store(shm_name: str, ssd_path, chunk_bytes: int, *, write_back: bool =
 
 def wait_quiet(adapter, timeout: float = 60.0) -> None:
     """Wait until the store has no put or background job queued or running."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def quiet() -> bool:
         engine = adapter.store_stats()["engine"]
-        if engine["put_queue_depth"] == 0 and engine["background_queue_depth"] == 0:
-            return
-        assert time.monotonic() < deadline, f"store still busy: {engine}"
-        time.sleep(0.02)
+        return engine["put_queue_depth"] == 0 and engine["background_queue_depth"] == 0
+
+    poll_until(quiet, timeout, interval=0.02, what="the store to go quiet",
+               error=lambda message: AssertionError(f"{message}: {adapter.store_stats()['engine']}"))
 
 
 def listed(adapter) -> set:

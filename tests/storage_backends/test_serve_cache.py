@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import yaml
 from l2_harness import SHM_DIR
 
 from kvshrink.launch import free_port
+from kvshrink.polling import poll_until
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
 from kvshrink.cli import main as kvshrink_main
@@ -123,11 +123,14 @@ def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path
                              "--log-file", str(tmp_path / "lmcache.log")],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while "ready on" not in log.read_text():
+        def ready() -> bool:
+            if "ready on" in log.read_text():
+                return True
             assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "serve-cache never became ready:\n" + log.read_text()
-            time.sleep(0.5)
+            return False
+
+        poll_until(ready, 180, interval=0.5, what="serve-cache to become ready",
+                   error=lambda message: AssertionError(f"{message}:\n{log.read_text()}"))
         status = httpx.get(f"http://127.0.0.1:{config.http_port}/status", timeout=10).json()
         adapters = status["storage_manager"]["l2_adapters"]
         assert [a["type"] for a in adapters] == ["KVShrinkL2Adapter"]
