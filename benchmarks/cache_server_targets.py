@@ -4,23 +4,29 @@ Real processes, two stacks side by side: stock LMCache (``lmcache server``, L1 +
 adapter) and LMCache with :class:`~kvshrink.storage_backends.mp_l2_adapter.KVShrinkL2Adapter` (L1 +
 our DRAM + SSD store), each with its own vLLM CPU OpenAI server (SmolLM2 bf16, vLLM's own prefix
 cache off). Every step runs on both stacks back to back, so load from elsewhere on a shared
-machine falls on both alike (an idle vLLM costs no CPU). TTFT is the first streamed token
+machine falls on both alike (an idle vLLM costs no CPU). Each request waits ``--settle-s`` first:
+a stack is still busy for a moment after it answered, and without the pause the second request of
+every pair was 1.7x slower than the first (medians of 12 pairs, 1.06 s vs 0.63 s; with 1 s: 0.72
+vs 0.66 s), an order effect that alternating the order only turns into noise. TTFT is the first streamed token
 (``kvshrink.streaming_client``). Every request's hit is read from LMCache's own lookup counters
 (``/metrics``) and reported next to the times: a request that did not hit shows as such.
 
 Figures, on distinct slices of real text (a short prompt and ``--rounds`` long ones):
 
 * warm L1: the short prompt again on both stacks, both served from LMCache's L1 (our adapter is
-  attached but idle), ``--repeats`` pairs;
+  attached but idle), ``--target-pairs`` pairs: the control, what the noise alone gives;
 * the target pair: stock served from its L1 vs ours served from our DRAM tier (LMCache's L1
-  cleared before each of our requests: ``POST /cache/clear``), back to back; median of the ratios;
-* warm L2: L1 cleared on both: our DRAM tier vs stock ``fs`` (page cache);
+  cleared before each of our requests: ``POST /cache/clear``), back to back, ``--target-pairs``
+  pairs; median of the ratios with a 95 % bootstrap interval (``paired_stats``), because single
+  requests swing by +-40 % on both sides (LMCache's own retrieve into vLLM takes 0.22-0.6 s);
+* warm L2: L1 cleared on both: our DRAM tier vs stock ``fs`` (page cache), ``--repeats`` pairs;
 * after restart: a long prompt stored, the cache server restarted (our shared-memory DRAM tier
   removed too, so our hits come from the SSD tier; vLLM re-registers and we wait for it), the same
   prompt again; vs that prompt's cold TTFT; median over ``--rounds`` distinct long prompts;
 * bytes on disk per cached token: files in our SSD directory vs stock's ``fs`` directory;
-* LMCache's own timing of every prefetch served by the L2 adapter (its log): the adapter's share
-  of TTFT, far less noisy than TTFT on a shared machine.
+* LMCache's own timing of every prefetch (its log), served by L1 or by the L2 adapter: the
+  adapter's share of TTFT, far less noisy than TTFT on a shared machine. Our adapter's cost in the
+  target pair is the median L2 prefetch from our DRAM tier less stock's median L1 prefetch.
 
 Targets (issue 4): warm TTFT with our adapter, chunk in DRAM <= 1.10x stock warm TTFT; warm TTFT
 from the SSD tier after a restart <= 0.3x cold TTFT (4K tokens); bytes written per cached token
@@ -47,6 +53,8 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from kvshrink.benchmarks.comparison import OURS, STOCK, Metric, SideRun, Workload, compare, digest, model_fingerprint
+from kvshrink.benchmarks.paired_stats import paired_ratio
+from kvshrink.polling import poll_until
 
 CHUNK = 256
 # LMCache's own account of each prefetch (lookup + L2 load into L1), from the cache server's log
@@ -71,6 +79,7 @@ class SideFigures:
     disk_bytes: int = 0
     cached_tokens: int = 0
     l2_prefetch_ms: dict[str, list[float]] = field(default_factory=dict)  # "8 chunks" -> LMCache's prefetch times
+    l1_prefetch_ms: dict[str, list[float]] = field(default_factory=dict)  # the same, prefetches L1 served alone
     hits: dict[str, list[list[float]]] = field(default_factory=dict)  # label -> [L1, L2] hit tokens per request
     texts: dict[str, list[str]] = field(default_factory=dict)
 
@@ -150,11 +159,13 @@ class SideStack:
         return result.ttft_s
 
     def read_prefetch_times(self) -> None:
-        """LMCache's timings of prefetches served wholly by the L2 adapter, by chunk count."""
+        """LMCache's timings of prefetches served wholly by L1 or wholly by the L2 adapter, by chunk count."""
         for log in sorted(self.workdir.glob("lmcache-*.log")):
             for keys, l1, l2, ms in _PREFETCH.findall(log.read_text(errors="replace")):
-                if int(l1) == 0 and int(l2) == int(keys):
-                    self.figures.l2_prefetch_ms.setdefault(f"{keys} chunks", []).append(float(ms))
+                into = {(0, int(keys)): self.figures.l2_prefetch_ms, (int(keys), 0): self.figures.l1_prefetch_ms}
+                by_count = into.get((int(l1), int(l2)))
+                if by_count is not None and int(keys):
+                    by_count.setdefault(f"{keys} chunks", []).append(float(ms))
 
     def persisted_chunks(self) -> int:
         return sum(1 for _ in self.disk.rglob(self._pattern())) if self.disk.exists() else 0
@@ -163,11 +174,8 @@ class SideStack:
         return sum(p.stat().st_size for p in self.disk.rglob(self._pattern()))
 
     def wait_persisted(self, chunks: int, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.persisted_chunks() < chunks:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: {self.persisted_chunks()} of {chunks} chunks on disk")
-            time.sleep(0.25)
+        poll_until(lambda: self.persisted_chunks() >= chunks, timeout, what=f"{self.name}: {chunks} chunks on disk",
+                   error=lambda message: TimeoutError(f"{message} ({self.persisted_chunks()} so far)"))
 
     def close(self) -> None:
         for server in (self.vllm, self.server):
@@ -179,8 +187,8 @@ class SideStack:
         return "*.kvc" if self.name == OURS else "*.data"
 
 
-def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], repeats: int, max_tokens: int,
-            progress: tqdm) -> None:
+def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], repeats: int, target_pairs: int,
+            max_tokens: int, progress: tqdm, settle_s: float = 1.0) -> None:
     """Every step runs on both stacks back to back (which side goes first alternates), and each
     side's stores settle before the next request, so neither side's background writes nor load from
     elsewhere on the machine fall on one side only."""
@@ -188,6 +196,7 @@ def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], re
 
     def pair(first: Callable[[], None], second: Callable[[], None], round_index: int) -> None:
         for step in (first, second) if round_index % 2 == 0 else (second, first):
+            time.sleep(settle_s)
             step()
             progress.update()
 
@@ -205,12 +214,12 @@ def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], re
         s.figures.cold_short_s = s.request(short, "cold_short", max_tokens)
         s.wait_persisted(stored)
         progress.update()
-    # A: both from LMCache's L1 (our adapter attached but idle)
-    for r in range(repeats):
+    # A: both from LMCache's L1 (our adapter attached but idle): the control
+    for r in range(target_pairs):
         pair(warm_l1(stock, stock.figures.warm_l1_s), warm_l1(ours, ours.figures.warm_l1_s), r)
     # B, the target: stock from its L1 vs ours from our DRAM tier, in the same time window.
     # (A chunk loaded from L2 is not retained in LMCache's L1, so ours stays L2-served.)
-    for r in range(repeats):
+    for r in range(target_pairs):
         pair(warm_l1(stock, stock.figures.paired_l1_s, "paired_l1"),
              warm_l2(ours, ours.figures.paired_l2_s, "paired_l2"), r)
     # C: both from their L2 adapter
@@ -235,7 +244,8 @@ def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], re
 
 
 def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int, max_tokens: int,
-                  l1_size_gb: float, keep_workdir: bool = False) -> dict[str, Any]:
+                  l1_size_gb: float, keep_workdir: bool = False, target_pairs: int = 41,
+                  settle_s: float = 1.0) -> dict[str, Any]:
     from kvshrink.benchmarks.inprocess_cpu import prompt_token_ids
     from kvshrink.fixtures.smollm2 import ensure_checkpoint
     from kvshrink.storage_backends.mp_observe import wait_for_engine
@@ -253,8 +263,8 @@ def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int
             side.start_cache()
             side.start_vllm(model)
             wait_for_engine(side.server.http_url)
-        with tqdm(total=2 * (1 + 3 * repeats + 2 * rounds), desc="requests", unit="req") as progress:
-            measure(sides, short, longs, repeats, max_tokens, progress)
+        with tqdm(total=2 * (1 + 2 * target_pairs + repeats + 2 * rounds), desc="requests", unit="req") as progress:
+            measure(sides, short, longs, repeats, target_pairs, max_tokens, progress, settle_s)
     finally:
         for side in sides:
             side.close()
@@ -271,14 +281,17 @@ def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int
         *[Metric(name, "ms", higher_is_better=False) for name in sorted(results[OURS].figures())
           if name.startswith("l2_prefetch_ms") and name in results[STOCK].figures()]])
     s, o = stock.figures, ours.figures
+    in_dram = paired_ratio(results[OURS].paired_l2_s, results[STOCK].paired_l1_s)
+    control = paired_ratio(results[OURS].warm_l1_s, results[STOCK].warm_l1_s)
     targets = {
         "warm_ttft_chunk_in_our_dram_over_stock_warm": {
-            "value": statistics.median(a / b for a, b in zip(results[OURS].paired_l2_s, results[STOCK].paired_l1_s)),
-            "target": TARGET_WARM_DRAM_RATIO, "how": "median of paired ratios: ours from our DRAM tier (L1 cleared) "
-                                                    "vs stock from its L1, back to back"},
+            "value": in_dram.median, "target": TARGET_WARM_DRAM_RATIO, "interval": in_dram.as_dict(),
+            "adapter_cost": adapter_cost(results, len(short) // CHUNK),
+            "how": "median of paired ratios: ours from our DRAM tier (L1 cleared) vs stock from its L1, back to "
+                   "back; interval: 95 % bootstrap over the pairs"},
         "warm_ttft_with_our_adapter_l1_over_stock_warm": {
-            "value": statistics.median(a / b for a, b in zip(results[OURS].warm_l1_s, results[STOCK].warm_l1_s)),
-            "target": TARGET_WARM_DRAM_RATIO, "how": "median of paired ratios, both from LMCache's L1"},
+            "value": control.median, "target": TARGET_WARM_DRAM_RATIO, "interval": control.as_dict(),
+            "how": "median of paired ratios, both from LMCache's L1 (the control: noise alone)"},
         "ssd_after_restart_over_cold_4k": {"value": o["after_restart_over_cold"], "target": TARGET_SSD_OVER_COLD},
         "disk_bytes_per_token_over_stock": {
             "value": o["disk_bytes_per_cached_token"] / s["disk_bytes_per_cached_token"], "target": TARGET_BYTES_RATIO},
@@ -295,9 +308,24 @@ def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int
     all_hit = {name: {label: all(h == _expected(label, short, longs) for h in hits) for label, hits in side.hits.items()}
                for name, side in results.items()}
     return {"short_tokens": short_tokens, "long_tokens": long_tokens, "rounds": rounds, "repeats": repeats,
+            "target_pairs": target_pairs, "settle_s": settle_s,
             "workdir": str(workdir) if keep_workdir else None, "rows": [r.to_dict() for r in rows], "targets": targets,
             "same_output_text_per_prompt": same and all(same_long), "hits_as_expected": all_hit,
             "sides": {n: asdict(results[n]) for n in results}}
+
+
+def adapter_cost(results: dict[str, SideFigures], chunks: int) -> dict[str, float] | None:
+    """What our adapter adds to a warm request in the target pair, from LMCache's own timings: our
+    median L2 prefetch (our DRAM tier) less stock's median L1 prefetch, also as a share of stock's
+    median warm TTFT. None when a log line is missing."""
+    key = f"{chunks} chunks"
+    ours_l2, stock_l1 = results[OURS].l2_prefetch_ms.get(key), results[STOCK].l1_prefetch_ms.get(key)
+    if not ours_l2 or not stock_l1:
+        return None
+    extra_ms = statistics.median(ours_l2) - statistics.median(stock_l1)
+    stock_ttft_ms = 1e3 * statistics.median(results[STOCK].paired_l1_s)
+    return {"ours_l2_prefetch_ms": statistics.median(ours_l2), "stock_l1_prefetch_ms": statistics.median(stock_l1),
+            "extra_ms": extra_ms, "over_stock_warm_ttft": 1 + extra_ms / stock_ttft_ms}
 
 
 def _expected(label: str, short: list[int], longs: list[list[int]]) -> list[int]:
@@ -311,14 +339,22 @@ def _expected(label: str, short: list[int], longs: list[list[int]]) -> list[int]
 
 def print_report(result: dict[str, Any], out: Callable[[str], None] = print) -> None:
     out(f"prompts: short {result['short_tokens']} tokens, long {result['long_tokens']} tokens; medians of "
-        f"{result['repeats']} warm requests and {result['rounds']} restart rounds; sides interleaved request by request")
+        f"{result['target_pairs']} warm pairs (L1, target), {result['repeats']} (L2) and {result['rounds']} restart "
+        f"rounds; sides interleaved request by request")
     out(f"{'metric':32} {'stock':>10} {'ours':>10} {'ours/stock':>10}")
     for row in result["rows"]:
         out(f"{row['metric']:32} {row['stock']:10.3f} {row['ours']:10.3f} {float(row['ratio']):10.3f}")
     out("targets:")
     for name, entry in result["targets"].items():
         verdict = "met" if entry["met"] else "NOT met"
-        out(f"  {name:48} {entry['value']:.3f} (target <= {entry['target']:.3f}) {verdict}")
+        interval = entry.get("interval")
+        spread = f", 95 % interval {interval['low']:.3f}-{interval['high']:.3f}" if interval else ""
+        out(f"  {name:48} {entry['value']:.3f}{spread} (target <= {entry['target']:.3f}) {verdict}")
+        cost = entry.get("adapter_cost")
+        if cost:
+            out(f"    adapter's share (LMCache's timings): L2 prefetch from our DRAM {cost['ours_l2_prefetch_ms']:.1f} ms "
+                f"vs stock L1 prefetch {cost['stock_l1_prefetch_ms']:.1f} ms: +{cost['extra_ms']:.1f} ms, "
+                f"{cost['over_stock_warm_ttft']:.3f}x stock warm TTFT")
     for name, side in result["sides"].items():
         out(f"LMCache hit tokens, {name}: {side['hits']}")
     out(f"every request hit as expected: {result['hits_as_expected']}")
@@ -329,7 +365,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--short-tokens", type=int, default=2200, help="short prompt (warm TTFT figures)")
     parser.add_argument("--long-tokens", type=int, default=4096, help="long prompt (restart vs cold)")
     parser.add_argument("--rounds", type=int, default=3, help="long-prompt store / restart / reload rounds")
-    parser.add_argument("--repeats", type=int, default=7, help="warm request pairs per figure (median)")
+    parser.add_argument("--repeats", type=int, default=7, help="warm L2 request pairs (median)")
+    parser.add_argument("--target-pairs", type=int, default=41,
+                        help="request pairs for the warm-DRAM target and its L1 control (median, 95 %% interval)")
+    parser.add_argument("--settle-s", type=float, default=1.0, help="pause before every request (see above)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--l1-size-gb", type=float, default=1.0)
     parser.add_argument("--keep-workdir", action="store_true", help="keep chunk files and server logs")
@@ -338,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = run_benchmark(args.short_tokens, args.long_tokens, args.rounds, args.repeats, args.max_tokens,
-                           args.l1_size_gb, args.keep_workdir)
+                           args.l1_size_gb, args.keep_workdir, args.target_pairs, args.settle_s)
     print_report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
