@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "e2e": {"lengths": (1024, 4096), "warm_repeats": 1, "agent_sessions": 0},
     },
     "full": {
-        "codec": {"samples": 8, "repeats": 5},
+        "codec": {"samples": 8, "repeats": 15},
         "capacity": {"trace": dict(sessions=32, turns=8, concurrency=16, system_tokens=3000, tokens_per_turn=300,
                                    output_tokens=80, seed=0),
                      "fractions": (0.25, 0.4, 0.55, 0.7, 0.85, 1.0), "dram_share": 0.25, "full_verify": True},

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from kvshrink.codec.entropy import entropy_bits
+from kvshrink.codec.entropy import column_entropies
 
 if sys.byteorder != "little":  # the stream definition above assumes little-endian memory
     raise ImportError("kvshrink.codec supports little-endian hosts only")
@@ -29,6 +29,7 @@ if sys.byteorder != "little":  # the stream definition above assumes little-endi
 log = logging.getLogger(__name__)
 
 TRANSFORM_SAMPLE_ELEMENTS = 4096
+SAMPLE_RUNS = 64  # the sample is this many evenly spaced runs of consecutive elements
 ROTATE_MIN_GAIN_BITS = 0.02  # rotate only when the sample's total entropy drops by this much per element
 JIT_MIN_ELEMENTS = 64  # below this numba's call overhead is not worth it
 
@@ -74,19 +75,33 @@ def analyze(rows: np.ndarray, transform: str) -> tuple[bool, list[float]]:
 
     ``transform`` is "auto" (rotate when the sample's summed stream entropy drops by more than
     ``ROTATE_MIN_GAIN_BITS`` per element), "rotl1" or "none". One sample of the whole input, so
-    the decision costs the same for a 64 KiB and a 64 MiB array.
+    the decision costs the same for a 64 KiB and a 64 MiB array. The sample is ``SAMPLE_RUNS``
+    runs of consecutive elements, not single elements at a stride: a strided sample costs one cache
+    miss per element (0.45 ms of a 6 MB chunk's encode, measured, all of it before the blocks can
+    start in parallel).
     """
-    elements, width = rows.shape
-    step = max(1, elements // TRANSFORM_SAMPLE_ELEMENTS)
-    sample = np.ascontiguousarray(rows[::step])
-    plain = [entropy_bits(sample[:, width - 1 - k]) for k in range(width)]
+    width = rows.shape[1]
+    sample = _sample(rows)
+    plain = column_entropies(sample)[::-1]  # stream k is byte width-1-k
     if width == 1 or transform == "none":
         return False, plain
-    rotated_sample = _rotl1(sample)
-    rotated = [entropy_bits(rotated_sample[:, width - 1 - k]) for k in range(width)]
+    rotated = column_entropies(_rotl1(sample))[::-1]
     if transform == "rotl1" or sum(plain) - sum(rotated) > ROTATE_MIN_GAIN_BITS:
         return True, rotated
     return False, plain
+
+
+def _sample(rows: np.ndarray) -> np.ndarray:
+    """About ``TRANSFORM_SAMPLE_ELEMENTS`` rows of ``rows``, as evenly spaced runs (all of them if fewer)."""
+    elements = rows.shape[0]
+    if elements <= TRANSFORM_SAMPLE_ELEMENTS:
+        return np.ascontiguousarray(rows)
+    run = TRANSFORM_SAMPLE_ELEMENTS // SAMPLE_RUNS
+    if rows.flags.c_contiguous:  # a strided view of the runs, copied once
+        spaced = rows[: elements // SAMPLE_RUNS * SAMPLE_RUNS].reshape(SAMPLE_RUNS, -1, rows.shape[1])
+        return np.ascontiguousarray(spaced[:, :run]).reshape(-1, rows.shape[1])
+    starts = np.linspace(0, elements - run, SAMPLE_RUNS).astype(np.intp)
+    return rows[(starts[:, None] + np.arange(run)).reshape(-1)]
 
 
 def jit_status() -> str:

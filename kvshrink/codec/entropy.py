@@ -19,6 +19,20 @@ def entropy_bits(data: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
+def column_entropies(rows: np.ndarray) -> list[float]:
+    """Order-0 entropy of each byte column of ``rows`` (``uint8[n, width]``), in bits per byte.
+
+    The entropy itself is computed for all columns at once: the codec calls this on every chunk
+    before its blocks can start in parallel, so numpy's per-call overhead counts.
+    """
+    n, width = rows.shape
+    if n == 0:
+        return [0.0] * width
+    p = np.stack([np.bincount(rows[:, k], minlength=256) for k in range(width)]) / n
+    logs = np.log2(p, out=np.zeros_like(p), where=p > 0)
+    return (-(p * logs).sum(axis=1)).tolist()
+
+
 def order0_bound(rows: np.ndarray, rotate: bool = False) -> float:
     """Compression ratio bound of coding each byte position with its own order-0 model.
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvshrink.codec import byteplanes
-from kvshrink.codec.entropy import entropy_bits, order0_bound
+from kvshrink.codec.entropy import column_entropies, entropy_bits, order0_bound
 
 
 def reference_split(rows: np.ndarray, rotate: bool) -> np.ndarray:
@@ -54,6 +54,32 @@ def test_rotation_is_chosen_for_bf16_kv_only(real_chunks):
     assert not byteplanes.analyze(ints.view(np.uint8).reshape(-1, 4), "auto")[0]
     assert byteplanes.analyze(kv_rows, "none")[0] is False
     assert byteplanes.analyze(ints.view(np.uint8).reshape(-1, 4), "rotl1")[0] is True
+
+
+def test_sample_decides_alike_on_contiguous_and_strided_rows(real_chunks):
+    """The sample is runs spread over the whole input, the same for a strided view of it."""
+    kv_rows = real_chunks[0].reshape(-1).view(np.uint8).reshape(-1, 2)
+    sample = byteplanes._sample(kv_rows)
+    assert sample.shape == (byteplanes.TRANSFORM_SAMPLE_ELEMENTS, 2) and sample.flags.c_contiguous
+    run = byteplanes.TRANSFORM_SAMPLE_ELEMENTS // byteplanes.SAMPLE_RUNS
+    assert np.array_equal(sample[:run], kv_rows[:run])  # the first run starts at the first element
+    assert np.array_equal(sample[-run:], kv_rows[kv_rows.shape[0] // byteplanes.SAMPLE_RUNS * (byteplanes.SAMPLE_RUNS - 1):][:run])
+    strided = kv_rows[::2]
+    assert not strided.flags.c_contiguous
+    assert byteplanes._sample(strided).shape == (byteplanes.TRANSFORM_SAMPLE_ELEMENTS, 2)
+    assert byteplanes.analyze(strided, "auto")[0] == byteplanes.analyze(kv_rows, "auto")[0]
+    small = kv_rows[:100]
+    assert np.array_equal(byteplanes._sample(small), small)
+
+
+def test_column_entropies_equal_entropy_per_column():
+    rows = np.random.default_rng(3).integers(0, 256, (5000, 4), dtype=np.uint8)
+    rows[:, 0] = 7  # one constant column: 0 bits
+    rows[:, 1] %= 4  # two bits
+    want = [entropy_bits(np.ascontiguousarray(rows[:, k])) for k in range(4)]
+    assert column_entropies(rows) == pytest.approx(want, abs=1e-12)
+    assert column_entropies(rows)[0] == 0.0 and column_entropies(rows)[1] == pytest.approx(2.0, abs=0.01)
+    assert column_entropies(np.empty((0, 3), np.uint8)) == [0.0, 0.0, 0.0]
 
 
 def test_entropy_and_bounds(real_chunks):
