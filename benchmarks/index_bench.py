@@ -13,10 +13,10 @@
   in-process (``scoring.lookup``; wall and CPU time) and, from a separate client process over one
   keep-alive connection (client-observed wall time): ``POST /lookup`` with a JSON ``token_ids``
   list (a generic client), with the body production-stack's router sends through our routing
-  logic (JSON ``token_bytes`` + ``loads`` + ``instances``) — also from a bare-socket client, which
-  shows what the service and the kernel cost without httpx's own ~1 ms per request —, with msgpack
-  ``token_bytes``, and the routing logic's whole ``route_request`` (body building, httpx, answer
-  parsing; clients in ``index_bench_clients``). For each HTTP form the service thread's CPU per
+  logic (msgpack ``token_bytes`` + ``loads`` + ``instances``) — also from a bare-socket client, which
+  shows what the service and the kernel cost without httpx's own ~1 ms per request —, with JSON
+  ``token_bytes`` (base64: what the routing logic sent before), and the routing logic's whole
+  ``route_request`` (body building, httpx, answer parsing; clients in ``index_bench_clients``). For each HTTP form the service thread's CPU per
   request is reported ("srv"), next to the in-process lookup's own CPU: the service's HTTP cost is
   their difference — compare them within one repeat, this machine's CPU speed drifts over minutes.
   Garbage collections during each measurement and their longest pause are counted (the service
@@ -280,8 +280,8 @@ def bench_lookup(args: argparse.Namespace, block_size: int) -> list[dict]:
                                                   args.background_blocks, args.seed)
     loads = {instance_url(k): float(k % 5) for k in range(args.instances)}  # the router's view of load
     generic = msgspec.json.encode({"model": MODEL, "token_ids": prompt})
-    routed = msgspec.json.encode({**lookup_body({"prompt": prompt}, MODEL), "loads": loads, "instances": list(loads)})
-    packed = msgspec.msgpack.encode({"model": MODEL, "token_bytes": np.asarray(prompt, dtype="<u4").tobytes()})
+    routed = msgspec.msgpack.encode({**lookup_body({"prompt": prompt}, MODEL), "loads": loads, "instances": list(loads)})
+    base64_ids = msgspec.json.encode({"model": MODEL, "token_bytes": np.asarray(prompt, dtype="<u4").tobytes()})
     rows = []
     with IndexServer(cfg) as server:
         state = server.state
@@ -297,11 +297,12 @@ def bench_lookup(args: argparse.Namespace, block_size: int) -> list[dict]:
                     ("reference: fixed ~1 ms loop", time_calls, fixed_work, n, w, "reference"),
                     ("in-process", inprocess_latencies, state, prompt, n, w),
                     ("HTTP JSON token_ids", pool.apply, http_latencies, (server.url, generic, "application/json", n, w)),
-                    ("HTTP JSON router body", pool.apply, http_latencies, (server.url, routed, "application/json", n, w)),
+                    ("HTTP msgpack router body", pool.apply, http_latencies,
+                     (server.url, routed, "application/msgpack", n, w)),
                     ("  same, raw socket client", pool.apply, raw_http_latencies,
-                     (server.url, routed, "application/json", n, w)),
-                    ("HTTP msgpack token_bytes", pool.apply, http_latencies,
-                     (server.url, packed, "application/msgpack", n, w)),
+                     (server.url, routed, "application/msgpack", n, w)),
+                    ("HTTP JSON base64 token_bytes", pool.apply, http_latencies,
+                     (server.url, base64_ids, "application/json", n, w)),
                     ("router route_request", pool.apply, route_latencies, (server.url, prompt, loads, n, w)),
                 ]
                 for name, fn, *fn_args in measures:

@@ -33,7 +33,7 @@ from kvshrink.index.scoring import lookup
 from kvshrink.index.server import IndexServer
 from kvshrink.plugins.router_logic import lookup_body
 
-FORMS = ("json-router", "msgpack-router", "json-token-ids")
+FORMS = ("msgpack-router", "json-base64", "json-token-ids")
 
 
 def request_bytes(url: str, body: bytes, content_type: str) -> bytes:
@@ -47,10 +47,10 @@ def bodies(prompt: list[int], loads: dict[str, float]) -> dict[str, tuple[bytes,
     packed = np.asarray(prompt, dtype="<u4").tobytes()
     routed = {"loads": loads, "instances": list(loads)}
     return {
-        "json-router": (msgspec.json.encode({**lookup_body({"prompt": prompt}, MODEL), **routed}), "application/json",
-                        {"token_ids": packed, **routed}),
-        "msgpack-router": (msgspec.msgpack.encode({"model": MODEL, "token_bytes": packed, **routed}),
+        "msgpack-router": (msgspec.msgpack.encode({**lookup_body({"prompt": prompt}, MODEL), **routed}),
                            "application/msgpack", {"token_ids": packed, **routed}),
+        "json-base64": (msgspec.json.encode({"model": MODEL, "token_bytes": packed, **routed}), "application/json",
+                        {"token_ids": packed, **routed}),
         "json-token-ids": (msgspec.json.encode({"model": MODEL, "token_ids": prompt}), "application/json",
                            {"token_ids": prompt}),
     }

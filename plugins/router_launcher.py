@@ -13,7 +13,7 @@ Install (production-stack is not on PyPI and needs Python ≥ 3.12)::
     python3.12 -m venv ~/router-venv && . ~/router-venv/bin/activate
     git clone https://github.com/vllm-project/production-stack && \\
         SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 pip install -e production-stack
-    pip install --no-deps -e <kvshrink checkout> && pip install httpx
+    pip install --no-deps -e <kvshrink checkout> && pip install httpx msgspec
 
 Run (all options after ``--`` go to vllm-router)::
 
@@ -36,7 +36,7 @@ It is not on PyPI and needs Python >= 3.12:
   python3.12 -m venv ~/router-venv && . ~/router-venv/bin/activate
   git clone https://github.com/vllm-project/production-stack
   SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 pip install -e production-stack
-  pip install --no-deps -e <kvshrink checkout> && pip install httpx
+  pip install --no-deps -e <kvshrink checkout> && pip install httpx msgspec
 then run this command from that environment (python -m kvshrink.plugins.router_launcher ...)."""
 
 

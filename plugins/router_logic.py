@@ -13,8 +13,8 @@ reads ``extract_session_id(request, request_json)`` for its logs.
 ``router_launcher`` wraps it in a ``SessionRouter`` subclass (so the router awaits it) and injects
 it. Per request it:
 
-1. asks the index ``POST /lookup`` with the prompt (completions ``prompt`` as text or token ids —
-   the ids sent as ``token_bytes``, see :func:`token_bytes_b64` — or chat ``messages``), the
+1. asks the index ``POST /lookup`` (msgpack) with the prompt (completions ``prompt`` as text or
+   token ids — the ids sent as ``token_bytes``, see :func:`token_bytes_le` — or chat ``messages``), the
    router's own live load per backend (in-flight requests from ``request_stats``, else queued +
    running from ``engine_stats``) and the candidate URLs, under a tight deadline (default 50 ms);
    the index answers best first, cache tiers and load included;
@@ -23,21 +23,22 @@ it. Per request it:
    ``session_key``), else the least-loaded backend. After a failure the index is skipped for
    ``backoff_s`` so that an outage does not add the deadline to every request.
 
-Dependencies: ``httpx`` and the standard library only, so it installs into the router's own
-environment (Python ≥ 3.12) with ``pip install --no-deps`` of this project plus ``httpx``.
+Dependencies: ``httpx``, ``msgspec`` and the standard library only, so it installs into the
+router's own environment (Python ≥ 3.12) with ``pip install --no-deps`` of this project plus those two.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
-import base64
 import hashlib
 import logging
 import sys
 import time
 from collections import Counter
 from typing import Any, Mapping, Sequence
+
+import msgspec
 
 import httpx
 
@@ -74,19 +75,19 @@ def lookup_body(request_json: Mapping[str, Any], model: str) -> dict[str, Any] |
     if isinstance(prompt, str):
         return {"model": model, "prompt": prompt}
     if isinstance(prompt, list) and prompt:
-        packed = token_bytes_b64(prompt)
+        packed = token_bytes_le(prompt)
         if packed is not None:
             return {"model": model, "token_bytes": packed}
     return None  # batched prompts, embeddings inputs, ids outside uint32...: nothing to match
 
 
-def token_bytes_b64(token_ids: list[Any]) -> str | None:
-    """Token ids as base64 of little-endian uint32 — the index's ``token_bytes`` form; ``None`` if
-    one is not an integer in [0, 2**32).
+def token_bytes_le(token_ids: list[Any]) -> bytes | None:
+    """Token ids as little-endian uint32 bytes — the index's ``token_bytes`` form, sent as a msgpack
+    binary; ``None`` if one is not an integer in [0, 2**32).
 
     Why not a JSON list: the index decodes 32K JSON integers into 32K Python ints in ~1.3 ms (and
-    ``json.dumps`` here takes longer still); base64 of the same 128 KiB decodes in ~0.1 ms
-    (measured on a 2-core VM).
+    ``json.dumps`` here takes longer still). Why not base64 in JSON, as before: decoding its 175 KB
+    cost the index 0.3 ms per lookup (profiled); a msgpack binary is one copy.
     """
     try:
         ids = array.array("I", token_ids)
@@ -94,7 +95,7 @@ def token_bytes_b64(token_ids: list[Any]) -> str | None:
         return None
     if sys.byteorder == "big":  # pragma: no cover - no big-endian machine here
         ids.byteswap()
-    return base64.b64encode(ids.tobytes()).decode("ascii")
+    return ids.tobytes()
 
 
 class KVShrinkRoutingLogic:
@@ -108,7 +109,7 @@ class KVShrinkRoutingLogic:
         self.session_key = session_key
         self.backoff_s = backoff_s
         self.max_instance_failover_reroute_attempts = max_instance_failover_reroute_attempts
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"content-type": "application/msgpack", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._skip_index_until = 0.0
@@ -151,9 +152,9 @@ class KVShrinkRoutingLogic:
     # -- the index ------------------------------------------------------------------------------
 
     async def _ask_index(self, body: dict[str, Any], urls: list[str], loads: dict[str, float]) -> str | None:
-        body = {**body, "loads": loads, "instances": urls}
+        content = msgspec.msgpack.encode({**body, "loads": loads, "instances": urls})
         try:
-            resp = await asyncio.wait_for(self._http().post(f"{self.index_url}/lookup", json=body,
+            resp = await asyncio.wait_for(self._http().post(f"{self.index_url}/lookup", content=content,
                                                             headers=self._headers), self.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             return self._failed("timeout")
@@ -164,13 +165,13 @@ class KVShrinkRoutingLogic:
             logger.warning("index answered %d: %s", resp.status_code, resp.text[:200])
             return self._failed(f"http_{resp.status_code}")
         try:
-            ranked = resp.json()["instances"]
+            ranked = msgspec.json.decode(resp.content)["instances"]
             by_url = {url.rstrip("/"): url for url in urls}
             for entry in ranked:
                 url = by_url.get((entry.get("url") or "").rstrip("/"))
                 if url is not None:
                     return url
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (msgspec.DecodeError, ValueError, KeyError, TypeError, AttributeError):
             return self._failed("bad_answer")
         self.index_failures["no_known_backend"] += 1  # the index does not know these backends (yet)
         return None

@@ -53,9 +53,10 @@ class InstanceScore:
     overloaded: bool = False
 
     def as_dict(self) -> dict:
+        """The JSON form; ``score_instances`` already rounded the floats (once for all instances)."""
         return {"instance_id": self.instance_id, "url": self.url, "matched_tokens": self.matched_tokens,
-                "tiers": dict(zip(TIERS, self.tier_tokens)), "weighted_tokens": round(self.weighted_tokens, 3),
-                "load": self.load, "score": round(self.score, 6), "overloaded": self.overloaded}
+                "tiers": dict(zip(TIERS, self.tier_tokens)), "weighted_tokens": self.weighted_tokens,
+                "load": self.load, "score": self.score, "overloaded": self.overloaded}
 
 
 @dataclass
@@ -174,7 +175,7 @@ def score_instances(prompt_tokens: int, candidates: list[InstanceScore], cfg: Sc
     overloaded = load > cfg.overload_factor * mean_load + 1.0
     tiebreak = np.array([xxhash.xxh3_64_intdigest(c.instance_id.encode(), tiebreak_seed) for c in candidates],
                         dtype=np.uint64)
-    for c, w, s, o in zip(candidates, weighted.tolist(), score.tolist(), overloaded.tolist()):
+    for c, w, s, o in zip(candidates, np.round(weighted, 3).tolist(), np.round(score, 6).tolist(), overloaded.tolist()):
         c.weighted_tokens, c.score, c.overloaded = w, s, o
     # lexsort's last key is its primary one: not overloaded first, then best score, lower load, tie-break hash
     order = np.lexsort((tiebreak, load, -score, overloaded))
