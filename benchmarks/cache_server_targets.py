@@ -7,9 +7,10 @@ cache off). Every step runs on both stacks back to back, so load from elsewhere 
 machine falls on both alike (an idle vLLM costs no CPU). Each request waits ``--settle-s`` first:
 a stack is still busy for a moment after it answered, and without the pause the second request of
 every pair was 1.7x slower than the first (medians of 12 pairs, 1.06 s vs 0.63 s; with 1 s: 0.72
-vs 0.66 s), an order effect that alternating the order only turns into noise. TTFT is the first streamed token
-(``kvshrink.streaming_client``). Every request's hit is read from LMCache's own lookup counters
-(``/metrics``) and reported next to the times: a request that did not hit shows as such.
+vs 0.66 s), an order effect that alternating the order only turns into noise. TTFT is the first
+streamed token (``kvshrink.streaming_client``). Every request's hit is read from LMCache's own
+lookup counters (``/metrics``) and reported next to the times: a request that did not hit shows as
+such.
 
 Figures, on distinct slices of real text (a short prompt and ``--rounds`` long ones):
 
@@ -352,8 +353,8 @@ def print_report(result: dict[str, Any], out: Callable[[str], None] = print) -> 
         out(f"  {name:48} {entry['value']:.3f}{spread} (target <= {entry['target']:.3f}) {verdict}")
         cost = entry.get("adapter_cost")
         if cost:
-            out(f"    adapter's share (LMCache's timings): L2 prefetch from our DRAM {cost['ours_l2_prefetch_ms']:.1f} ms "
-                f"vs stock L1 prefetch {cost['stock_l1_prefetch_ms']:.1f} ms: +{cost['extra_ms']:.1f} ms, "
+            out(f"    adapter's share (LMCache's timings): L2 prefetch from our DRAM "
+                f"{cost['ours_l2_prefetch_ms']:.1f} ms vs stock L1 prefetch {cost['stock_l1_prefetch_ms']:.1f} ms: +{cost['extra_ms']:.1f} ms, "
                 f"{cost['over_stock_warm_ttft']:.3f}x stock warm TTFT")
     for name, side in result["sides"].items():
         out(f"LMCache hit tokens, {name}: {side['hits']}")

@@ -109,7 +109,9 @@ class KVShrinkRoutingLogic:
         self.session_key = session_key
         self.backoff_s = backoff_s
         self.max_instance_failover_reroute_attempts = max_instance_failover_reroute_attempts
-        self._headers = {"content-type": "application/msgpack", **({"Authorization": f"Bearer {token}"} if token else {})}
+        self._headers = {"content-type": "application/msgpack"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._skip_index_until = 0.0
