@@ -163,10 +163,13 @@ class SideStack:
         """LMCache's timings of prefetches served wholly by L1 or wholly by the L2 adapter, by chunk count."""
         for log in sorted(self.workdir.glob("lmcache-*.log")):
             for keys, l1, l2, ms in _PREFETCH.findall(log.read_text(errors="replace")):
-                into = {(0, int(keys)): self.figures.l2_prefetch_ms, (int(keys), 0): self.figures.l1_prefetch_ms}
-                by_count = into.get((int(l1), int(l2)))
-                if by_count is not None and int(keys):
-                    by_count.setdefault(f"{keys} chunks", []).append(float(ms))
+                if int(keys) and int(l1) == 0 and int(l2) == int(keys):
+                    by_count = self.figures.l2_prefetch_ms
+                elif int(keys) and int(l2) == 0 and int(l1) == int(keys):
+                    by_count = self.figures.l1_prefetch_ms
+                else:
+                    continue
+                by_count.setdefault(f"{keys} chunks", []).append(float(ms))
 
     def persisted_chunks(self) -> int:
         return sum(1 for _ in self.disk.rglob(self._pattern())) if self.disk.exists() else 0

@@ -451,11 +451,12 @@ def _check_outputs(stock: SideRun, ours: SideRun) -> None:
     prefix stops at the last whole chunk and vLLM CPU computes the tail in a differently shaped
     bf16 batch, which can flip a greedy token (it happens with stock LMCache alike). Those are
     recorded apart, as ``cold_vs_warm``, not as mismatches."""
+    def scenarios(out: dict[str, Any]) -> list[tuple[str, str]]:
+        return [("cold", out["cold"]), *(("warm", t) for t in out["warm"]), ("warm_ssd", out["warm_ssd"])]
+
     mismatches, cold_vs_warm = [], []
     for n, s_out in stock.details["records"]["outputs"].items():
-        o_out = ours.details["records"]["outputs"][n]
-        s_all = [("cold", s_out["cold"])] + [("warm", t) for t in s_out["warm"]] + [("warm_ssd", s_out["warm_ssd"])]
-        o_all = [("cold", o_out["cold"])] + [("warm", t) for t in o_out["warm"]] + [("warm_ssd", o_out["warm_ssd"])]
+        s_all, o_all = scenarios(s_out), scenarios(ours.details["records"]["outputs"][n])
         for (label, s_text), (_, o_text) in zip(s_all, o_all, strict=True):
             if o_text != s_text:
                 mismatches.append(f"{n} tokens, {label}: ours {o_text!r} != stock {s_text!r}")
