@@ -10,7 +10,8 @@
   instances that each hold a different share of its prefix on different tiers (every instance
   leaves the match at another block, the worst case), with ``--background-blocks`` unrelated
   blocks in the index. Timed after ``--warmup`` untimed calls, ``--repeats`` times:
-  in-process (``scoring.lookup``; wall and CPU time) and, from a separate client process over one
+  in-process (``scoring.lookup`` of the router's token bytes, loads and candidates; wall and CPU
+  time) and, from a separate client process over one
   keep-alive connection (client-observed wall time): ``POST /lookup`` with a JSON ``token_ids``
   list (a generic client), with the body production-stack's router sends through our routing
   logic (msgpack ``token_bytes`` + ``loads`` + ``instances``) — also from a bare-socket client, which
@@ -24,7 +25,9 @@
   reported with it, and a fixed ~1 ms
   pure-Python loop is timed the same way as a reference: this machine is shared, and that loop's
   p99 is the floor under every other p99 in the table.
-  Target: p99 ≤ 5 ms at 32K tokens, 64 instances.
+  Target: p99 ≤ 5 ms at 32K tokens, 64 instances, for the in-process lookup and for the router's
+  body from the bare-socket client, at each block size: the p99 of all of the run's lookups of that
+  form, repeats pooled (PASS/FAIL lines at the end; ``check_targets`` says why pooled).
 
     python -m kvshrink.benchmarks.index_bench [--block-sizes 16,128] [--repeats 3] [--json out.json]
 """
@@ -239,7 +242,8 @@ def timed(name: str, fn, *args, server: IndexServer | None = None, requests: int
         samples, cpu = samples
     row = {"name": name, "n": len(samples), "p50_ms": percentile_ms(samples, 50), "p99_ms": percentile_ms(samples, 99),
            "max_ms": max(samples) * 1e3, "load_before": before, "load_after": load_average(),
-           "gc_collections": pauses.count, "gc_longest_ms": pauses.longest_s * 1e3}
+           "gc_collections": pauses.count, "gc_longest_ms": pauses.longest_s * 1e3,
+           "samples_ms": [round(x * 1e3, 4) for x in samples]}
     if cpu is not None:
         row.update(cpu_p50_ms=percentile_ms(cpu, 50), cpu_p99_ms=percentile_ms(cpu, 99))
     if server is not None:
@@ -260,9 +264,11 @@ def time_calls(fn, n: int, warmup: int, desc: str) -> tuple[list[float], list[fl
     return wall, cpu
 
 
-def inprocess_latencies(state: IndexState, prompt: list[int], n: int, warmup: int) -> tuple[list[float], list[float]]:
-    """In-process lookups of the token id list."""
-    return time_calls(lambda: lookup(state, MODEL, prompt), n, warmup, "lookup in-process")
+def inprocess_latencies(state: IndexState, body: dict, n: int, warmup: int) -> tuple[list[float], list[float]]:
+    """In-process lookups of what the router's body carries (token bytes, loads, candidates): the
+    service's lookup without HTTP, comparable with the router-body rows."""
+    tokens, loads, only = body["token_bytes"], body["loads"], body["instances"]
+    return time_calls(lambda: lookup(state, MODEL, tokens, loads, only), n, warmup, "lookup in-process")
 
 
 def fixed_work() -> int:
@@ -280,7 +286,8 @@ def bench_lookup(args: argparse.Namespace, block_size: int) -> list[dict]:
                                                   args.background_blocks, args.seed)
     loads = {instance_url(k): float(k % 5) for k in range(args.instances)}  # the router's view of load
     generic = msgspec.json.encode({"model": MODEL, "token_ids": prompt})
-    routed = msgspec.msgpack.encode({**lookup_body({"prompt": prompt}, MODEL), "loads": loads, "instances": list(loads)})
+    router_body = {**lookup_body({"prompt": prompt}, MODEL), "loads": loads, "instances": list(loads)}
+    routed = msgspec.msgpack.encode(router_body)
     base64_ids = msgspec.json.encode({"model": MODEL, "token_bytes": np.asarray(prompt, dtype="<u4").tobytes()})
     rows = []
     with IndexServer(cfg) as server:
@@ -295,7 +302,7 @@ def bench_lookup(args: argparse.Namespace, block_size: int) -> list[dict]:
                 n, w = args.lookups, args.warmup
                 measures = [
                     ("reference: fixed ~1 ms loop", time_calls, fixed_work, n, w, "reference"),
-                    ("in-process", inprocess_latencies, state, prompt, n, w),
+                    ("in-process", inprocess_latencies, state, router_body, n, w),
                     ("HTTP JSON token_ids", pool.apply, http_latencies, (server.url, generic, "application/json", n, w)),
                     ("HTTP msgpack router body", pool.apply, http_latencies,
                      (server.url, routed, "application/msgpack", n, w)),
@@ -344,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-sizes", default="16,128",
                         help="lookup block sizes, comma-separated (vLLM GPU default 16, CPU 128)")
     parser.add_argument("--background-blocks", type=int, default=500_000)
-    parser.add_argument("--lookups", type=int, default=500, help="timed lookups per measurement")
+    parser.add_argument("--lookups", type=int, default=1000, help="timed lookups per measurement")
     parser.add_argument("--warmup", type=int, default=50, help="untimed lookups before each measurement")
     parser.add_argument("--repeats", type=int, default=1, help="measure every lookup form this many times")
     parser.add_argument("--seed", type=int, default=0)
@@ -368,11 +375,44 @@ def main(argv: list[str] | None = None) -> int:
                            "lookups": args.lookups, "warmup": args.warmup, "target_p99_ms": 5.0}
     res["memory"] = {"bytes_per_block": bytes_per_block(np.random.default_rng(args.seed))}
     res["load_average"] = {"start": started_load, "end": os.getloadavg()}
+    res["targets"] = check_targets(res)
     print_report(res)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=2)
     return 0
+
+
+TARGET_ROWS = {"in-process": "lookup p99, in-process", "  same, raw socket client":
+               "lookup p99, POST /lookup with the router's body (bare-socket client)"}
+
+
+def check_targets(res: dict) -> list[dict]:
+    """Issue 6's targets. A lookup target is judged per block size on the run's p99: the 99th
+    percentile of every lookup of that form in the run, all repeats pooled. (Each repeat's own p99,
+    in the table, rests on its 5 slowest samples out of 500, taken within a second or two: on this
+    shared VM whether such a window holds a burst of host contention decides it.) The reference
+    loop's p99, pooled the same way, comes with it."""
+    out = []
+    if "ingest" in res:
+        rate = res["ingest"]["zmq_block_events_per_s"]
+        out.append({"name": "ingest over ZMQ, block events/s", "value": rate, "target": ">= 200000",
+                    "passed": rate >= 200_000})
+    limit = res["lookup_setup"]["target_p99_ms"]
+
+    def pooled_p99(name: str, block_size: int) -> tuple[float, int]:
+        samples = [x for r in res["lookup"] if r["name"] == name and r["block_size"] == block_size
+                   for x in r["samples_ms"]]
+        return float(np.percentile(samples, 99)), len(samples)
+
+    reference_name = next(r["name"] for r in res["lookup"] if r["name"].startswith("reference"))
+    for block_size in sorted({r["block_size"] for r in res["lookup"]}):
+        reference, _ = pooled_p99(reference_name, block_size)
+        for row_name, label in TARGET_ROWS.items():
+            p99, n = pooled_p99(row_name, block_size)
+            out.append({"name": f"{label}, block size {block_size}, {n} lookups", "value": p99,
+                        "target": f"<= {limit} ms", "passed": p99 <= limit, "reference_loop_p99_ms": reference})
+    return out
 
 
 def print_report(res: dict) -> None:
@@ -401,6 +441,12 @@ def print_report(res: dict) -> None:
     print(f"({blocks} blocks indexed; ~{res['memory']['bytes_per_block']:.0f} bytes per indexed block; load average "
           f"{load['start'][0]:.1f} at start, {load['end'][0]:.1f} at end, on {res['cpus']} CPUs — other processes "
           f"share them)")
+    print()
+    for t in res["targets"]:
+        value = f"{t['value']:,.0f}" if t["value"] >= 1000 else f"{t['value']:.2f} ms"
+        context = (f"   (the 1 ms reference loop's p99 alongside: {t['reference_loop_p99_ms']:.2f} ms)"
+                   if "reference_loop_p99_ms" in t else "")
+        print(f"{'PASS' if t['passed'] else 'FAIL'}  {t['name']}: {value} (target {t['target']}){context}")
 
 
 if __name__ == "__main__":

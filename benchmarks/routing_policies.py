@@ -163,7 +163,7 @@ class Ours(Policy):
 
     def choose(self, req, loads):
         result = lookup(self.state, MODEL, req.token_ids.tolist(), {f"i{k}": v for k, v in enumerate(loads)})
-        self.lookup_ms.append(result.elapsed_s * 1e3)
+        self.lookup_ms.append(result.elapsed_ms)
         return self.ids[result.instances[0].instance_id]
 
 

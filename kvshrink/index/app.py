@@ -174,7 +174,7 @@ def create_app(config: IndexConfig, *, start_subscriber: bool = True) -> FastAPI
             result = lookup(state, req.model, token_ids, req.loads, req.instances)
         except CorruptDataError as exc:
             raise HTTPRefusal(400, "bad_request", str(exc)) from exc
-        return _json(result.as_dict())
+        return _json(result)
 
     @app.post("/events")
     async def post_events(request: Request) -> Response:

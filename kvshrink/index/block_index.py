@@ -1,9 +1,10 @@
 """The Host → Blocks view: which instance holds which prefix block, on which tier, LRU-capped.
 
-Every block (a chained prefix hash, see ``hashing``) maps to four instance bitmasks, one per tier
-(GPU, DRAM, SSD, remote): bit ``i`` set in mask ``t`` means instance ``i`` holds the block on
-tier ``t``. A lookup therefore looks each of a prompt's blocks up once (in C) and decodes holders
-only where they change, whatever the number of instances.
+Every block (a chained prefix hash, see ``hashing``) maps to one int of 4-bit nibbles, one per
+instance: bit ``4 * i + t`` set means instance ``i`` holds the block on tier ``t`` (GPU, DRAM, SSD,
+remote). A lookup therefore looks each of a prompt's blocks up once (in C) and decodes holders
+only where they change, whatever the number of instances; the nibble of instance ``i`` is its tier
+code, read off the int's bytes without unpacking bits.
 
 Blocks arrive through *feeds*: one event stream for one instance (a vLLM publisher, an LMCache
 emitter). A feed maps the engine's opaque key of each block it reported to our block hash, so that
@@ -37,7 +38,7 @@ class Feed:
     feed_id: int
     instance_bit: int
     name: str
-    mask: int = 0  # 1 << instance_bit
+    mask: int = 0  # 1 << 4 * instance_bit: the instance's GPU bit, ``mask << t`` its tier-t bit
     key_map: dict[Hashable, int] = field(default_factory=dict)
     tiers_fed: int = 0  # bitmask over TIERS this feed ever reported
 
@@ -49,20 +50,18 @@ class StoreOutcome:
 
 
 class BlockIndex:
-    """Entries are packed into one int per block — ``gpu | dram << W | ssd << 2W | remote << 3W``
-    with ``W = width`` (max instances) — so a million blocks are a million ints: no per-block
-    container for the garbage collector to scan, ~3x less memory than a list per block. The
-    ``OrderedDict`` itself is still one tracked container whose traversal visits every entry
-    (~60 ms per million blocks in a full collection, measured): the service freezes it out of the
-    collector's sight at start-up (``app.freeze_gc``)."""
+    """Entries are packed into one int per block (see the module doc), so a million blocks are a
+    million ints: no per-block container for the garbage collector to scan, and an int only as
+    wide as the highest instance holding the block. The ``OrderedDict`` itself is still one tracked
+    container whose traversal visits every entry (~60 ms per million blocks in a full collection,
+    measured): the service freezes it out of the collector's sight at start-up (``app.freeze_gc``)."""
 
     def __init__(self, max_blocks: int, width: int = 256) -> None:
         if max_blocks <= 0 or width <= 0:
             raise ValueError("max_blocks and width must be positive")
         self.max_blocks = max_blocks
         self.width = width
-        self._full = (1 << width) - 1
-        self._entries: OrderedDict[int, int] = OrderedDict()  # block hash -> packed tier masks
+        self._entries: OrderedDict[int, int] = OrderedDict()  # block hash -> tier nibbles of every instance
         self._next_feed_id = 0
         self.evictions = 0
 
@@ -70,17 +69,19 @@ class BlockIndex:
         return len(self._entries)
 
     def masks_of(self, block_hash: int) -> tuple[int, int, int, int] | None:
+        """The block's holders as one instance bitmask per tier (GPU, DRAM, SSD, remote), or None."""
         packed = self._entries.get(block_hash)
-        return None if packed is None else self._unpack(packed)
+        if packed is None:
+            return None
+        codes = tier_codes([packed], self.width)[0]
+        return tuple(int.from_bytes(np.packbits(codes >> t & 1, bitorder="little").tobytes(), "little")
+                     for t in range(4))
 
-    def _unpack(self, packed: int) -> tuple[int, int, int, int]:
-        w, full = self.width, self._full
-        return packed & full, packed >> w & full, packed >> 2 * w & full, packed >> 3 * w
-
-    def _instance_bits(self, mask: int, tiers: Iterable[int]) -> int:
+    @staticmethod
+    def _instance_bits(mask: int, tiers: Iterable[int]) -> int:
         out = 0
         for t in tiers:
-            out |= mask << t * self.width
+            out |= mask << t
         return out
 
     # -- feeds --------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class BlockIndex:
     def open_feed(self, instance_bit: int, name: str) -> Feed:
         if not 0 <= instance_bit < self.width:
             raise ValueError(f"instance bit {instance_bit} outside [0, {self.width})")
-        feed = Feed(self._next_feed_id, instance_bit, name, mask=1 << instance_bit)
+        feed = Feed(self._next_feed_id, instance_bit, name, mask=1 << 4 * instance_bit)
         self._next_feed_id += 1
         return feed
 
@@ -115,7 +116,7 @@ class BlockIndex:
     def store(self, feed: Feed, engine_keys: Iterable[Hashable], block_hashes: Iterable[int],
               tier: int) -> StoreOutcome:
         """Record that ``feed``'s instance holds these blocks on ``tier``."""
-        bit = feed.mask << tier * self.width
+        bit = feed.mask << tier
         feed.tiers_fed |= 1 << tier
         entries, key_map = self._entries, feed.key_map
         get, move = entries.get, entries.move_to_end
@@ -209,18 +210,21 @@ class BlockIndex:
 
     def fastest_tiers(self, packed: Sequence[int], bits: Sequence[int]) -> np.ndarray:
         """``[runs, len(bits)]`` int8: the fastest tier on which instance bit ``bits[k]`` holds run ``r``
-        (an entry of ``packed``), -1 where it does not hold it.
+        (an entry of ``packed``), -1 where it does not hold it."""
+        codes = tier_codes(packed, max(bits, default=0) + 1)
+        return _FIRST_TIER.take(codes.take(np.asarray(bits, dtype=np.intp), axis=1))
 
-        One ``to_bytes`` per run and one ``unpackbits`` for all of them, instead of shifting and
-        masking wide integers per instance.
-        """
-        nbytes = (4 * self.width + 7) // 8
-        raw = np.frombuffer(b"".join([entry.to_bytes(nbytes, "little") for entry in packed]), dtype=np.uint8)
-        held = np.unpackbits(raw.reshape(len(packed), nbytes), axis=1, count=4 * self.width,
-                             bitorder="little").reshape(len(packed), 4, self.width)
-        columns = np.asarray(bits, dtype=np.intp)
-        code = held[:, 0, columns] | held[:, 1, columns] << 1 | held[:, 2, columns] << 2 | held[:, 3, columns] << 3
-        return _FIRST_TIER[code]
+
+def tier_codes(packed: Sequence[int], instances: int) -> np.ndarray:
+    """``[len(packed), instances]`` uint8: the nibble of each instance in each packed entry (bit ``t``:
+    held on tier ``t``). One ``to_bytes`` per entry; the nibbles of all are split in two numpy steps."""
+    nbytes = (instances + 1) // 2
+    keep = (1 << 8 * nbytes) - 1  # instances above the ones asked for
+    raw = np.frombuffer(b"".join([(entry & keep).to_bytes(nbytes, "little") for entry in packed]), dtype=np.uint8)
+    codes = np.empty((len(packed), 2 * nbytes), dtype=np.uint8)
+    codes[:, 0::2] = raw.reshape(len(packed), nbytes) & 15
+    codes[:, 1::2] = raw.reshape(len(packed), nbytes) >> 4
+    return codes[:, :instances]
 
 
 # lowest set bit of a 4-bit tier code (bit t: held on tier t), -1 for none: tiers are ordered fastest first

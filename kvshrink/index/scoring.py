@@ -27,49 +27,46 @@ cold prompts land together.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping, Sequence
 
+import msgspec
 import numpy as np
 import xxhash
 
 from kvshrink.index.block_index import TIERS, BlockIndex
 from kvshrink.index.config import ScoringConfig
-from kvshrink.index.hashing import chain_hashes, root_hash, token_bytes
+from kvshrink.index.hashing import chain_hashes, fmix64, root_hash, token_bytes
 from kvshrink.index.state import IndexState
 
 Run = tuple[int, int, int]  # (start token, end token, tier index)
 
 
-@dataclass(slots=True)
-class InstanceScore:
+class InstanceScore(msgspec.Struct):
+    """One instance's answer to a lookup; a msgspec struct, so the service encodes a whole result
+    in one call instead of building a dict per instance."""
+
     instance_id: str
     url: str | None
     matched_tokens: int
-    tier_tokens: list[int]
+    tiers: dict[str, int]  # tokens of the matched prefix on each tier, fastest tier per token
     weighted_tokens: float
     load: float
     score: float = 0.0
     overloaded: bool = False
 
-    def as_dict(self) -> dict:
-        """The JSON form; ``score_instances`` already rounded the floats (once for all instances)."""
-        return {"instance_id": self.instance_id, "url": self.url, "matched_tokens": self.matched_tokens,
-                "tiers": dict(zip(TIERS, self.tier_tokens)), "weighted_tokens": self.weighted_tokens,
-                "load": self.load, "score": self.score, "overloaded": self.overloaded}
+    @property
+    def tier_tokens(self) -> list[int]:
+        return [self.tiers[t] for t in TIERS]
 
 
-@dataclass
-class LookupResult:
+class LookupResult(msgspec.Struct):
     model: str
     prompt_tokens: int
     block_sizes: list[int]
-    instances: list[InstanceScore] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {"model": self.model, "prompt_tokens": self.prompt_tokens, "block_sizes": self.block_sizes,
-                "elapsed_ms": round(self.elapsed_s * 1e3, 3), "instances": [s.as_dict() for s in self.instances]}
+    elapsed_ms: float = 0.0
+    instances: list[InstanceScore] = msgspec.field(default_factory=list)
 
 
 @dataclass
@@ -138,48 +135,61 @@ def tokens_per_tier(runs: Sequence[Run]) -> list[int]:
     return counts
 
 
-def combine(coverages: Sequence[Coverage], n_candidates: int) -> tuple[list[int], list[list[int]]]:
-    """Per candidate: matched tokens and tokens per tier over every block size.
+def combine(coverages: Sequence[Coverage], n_candidates: int) -> np.ndarray:
+    """``[candidates, 4]``: per candidate, its matched tokens on each tier over every block size.
 
     An instance covered by one block size (the usual case) takes its numbers as they are; one
     covered by several gets the per-token fastest tier any of them offers (``merge_runs``).
     """
     if not coverages:
-        return [0] * n_candidates, [[0, 0, 0, 0] for _ in range(n_candidates)]
+        return np.zeros((n_candidates, 4), dtype=np.int64)
+    if len(coverages) == 1:
+        return coverages[0].tier_tokens()
     tiers = np.stack([c.tier_tokens() for c in coverages])  # [sizes, candidates, 4]
-    matched = tiers.sum(axis=2)  # [sizes, candidates]
     # one block size covers most candidates: summing over sizes picks that one (or zeros)
-    matched_tokens, tier_tokens = matched.sum(axis=0).tolist(), tiers.sum(axis=0).tolist()
-    if len(coverages) > 1:
-        covering = matched > 0
-        for k in np.flatnonzero(covering.sum(axis=0) > 1).tolist():
-            runs = merge_runs([c.runs(k) for c, covers in zip(coverages, covering[:, k]) if covers])
-            matched_tokens[k], tier_tokens[k] = runs[-1][1], tokens_per_tier(runs)
-    return matched_tokens, tier_tokens
+    covering = tiers.sum(axis=2) > 0
+    tier_tokens = tiers.sum(axis=0)
+    for k in np.flatnonzero(covering.sum(axis=0) > 1).tolist():
+        runs = merge_runs([c.runs(k) for c, covers in zip(coverages, covering[:, k]) if covers])
+        tier_tokens[k] = tokens_per_tier(runs)
+    return tier_tokens
 
 
-def score_instances(prompt_tokens: int, candidates: list[InstanceScore], cfg: ScoringConfig,
-                    tiebreak_seed: int = 0) -> list[InstanceScore]:
-    """Fill ``weighted_tokens`` / ``score`` / ``overloaded`` and return the candidates best first (see
-    module doc); computed as arrays over all candidates at once."""
-    if not candidates:
+def rank(prompt_tokens: int, instance_ids: Sequence[str], urls: Sequence[str | None], tier_tokens: np.ndarray,
+         load: np.ndarray, cfg: ScoringConfig, tiebreak_seed: int = 0) -> list[InstanceScore]:
+    """Score every candidate (``tier_tokens`` ``[candidates, 4]``, ``load`` ``[candidates]``) as in the
+    module doc, all at once over arrays, and return them best first."""
+    if not len(instance_ids):
         return []
     n = max(1, prompt_tokens)
-    matched = np.array([c.matched_tokens for c in candidates], dtype=np.float64)
-    tier_tokens = np.array([c.tier_tokens for c in candidates], dtype=np.float64).reshape(len(candidates), 4)
-    load = np.array([c.load for c in candidates], dtype=np.float64)
-    weighted = tier_tokens @ np.array([cfg.tier_weights[t] for t in TIERS])
+    matched = tier_tokens.sum(axis=1)
+    weighted = tier_tokens @ np.array([cfg.tier_weights[t] for t in TIERS], dtype=np.float64)
     mean_load = float(load.mean())
     score = (cfg.hit_length_weight * matched / n + cfg.media_speed_weight * weighted / n
              - cfg.load_weight * (load - mean_load) / max(1.0, mean_load))
     overloaded = load > cfg.overload_factor * mean_load + 1.0
-    tiebreak = np.array([xxhash.xxh3_64_intdigest(c.instance_id.encode(), tiebreak_seed) for c in candidates],
-                        dtype=np.uint64)
-    for c, w, s, o in zip(candidates, np.round(weighted, 3).tolist(), np.round(score, 6).tolist(), overloaded.tolist()):
-        c.weighted_tokens, c.score, c.overloaded = w, s, o
+    tiebreak = fmix64(np.array([_id_hash(i) for i in instance_ids], dtype=np.uint64)
+                       ^ np.array(tiebreak_seed, dtype=np.uint64))
     # lexsort's last key is its primary one: not overloaded first, then best score, lower load, tie-break hash
     order = np.lexsort((tiebreak, load, -score, overloaded))
-    return [candidates[i] for i in order.tolist()]
+    best_first = order.tolist()
+    columns = zip([instance_ids[i] for i in best_first], [urls[i] for i in best_first], matched[order].tolist(),
+                  tier_tokens[order].tolist(), np.round(weighted[order], 3).tolist(), load[order].tolist(),
+                  np.round(score[order], 6).tolist(), overloaded[order].tolist())
+    return [InstanceScore(i, u, m, dict(zip(TIERS, t)), w, ld, sc, o) for i, u, m, t, w, ld, sc, o in columns]
+
+
+@lru_cache(maxsize=4096)
+def _id_hash(instance_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(instance_id.encode())
+
+
+def score_instances(prompt_tokens: int, candidates: list[InstanceScore], cfg: ScoringConfig,
+                    tiebreak_seed: int = 0) -> list[InstanceScore]:
+    """:func:`rank` for candidates given as :class:`InstanceScore` (their score fields are ignored)."""
+    tier_tokens = np.array([c.tier_tokens for c in candidates], dtype=np.int64).reshape(len(candidates), 4)
+    return rank(prompt_tokens, [c.instance_id for c in candidates], [c.url for c in candidates], tier_tokens,
+                np.array([c.load for c in candidates], dtype=np.float64), cfg, tiebreak_seed)
 
 
 def lookup(state: IndexState, model: str, token_ids: Sequence[int] | bytes, loads: Mapping[str, float] | None = None,
@@ -206,16 +216,16 @@ def lookup(state: IndexState, model: str, token_ids: Sequence[int] | bytes, load
                 coverage = cover(state.index, hashes, bits, bs)
                 if coverage is not None:
                     coverages.append(coverage)
-        matched, tier_tokens = combine(coverages, len(candidates))
-        scored = [InstanceScore(inst.instance_id, inst.url, m, t, 0.0, _load_for(inst, loads))
-                  for inst, m, t in zip(candidates, matched, tier_tokens)]
-    result = LookupResult(model, n_tokens, sizes, score_instances(n_tokens, scored, state.config.scoring, seed))
-    result.elapsed_s = time.perf_counter() - started
+        tier_tokens = combine(coverages, len(candidates))
+        ids, urls = [inst.instance_id for inst in candidates], [inst.url for inst in candidates]
+        load = np.array([_load_for(inst, loads) for inst in candidates], dtype=np.float64)
+    ranked = rank(n_tokens, ids, urls, tier_tokens, load, state.config.scoring, seed)
+    elapsed_s = time.perf_counter() - started
     m = state.metrics
     m.lookups.inc()
-    m.lookup_seconds.observe(result.elapsed_s)
-    m.hit_tokens.observe(max(matched, default=0))
-    return result
+    m.lookup_seconds.observe(elapsed_s)
+    m.hit_tokens.observe(int(tier_tokens.sum(axis=1).max(initial=0)))
+    return LookupResult(model, n_tokens, sizes, round(elapsed_s * 1e3, 3), ranked)
 
 
 def _load_for(inst, loads: Mapping[str, float] | None) -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from index_helpers import MODEL, make_config
 from kvshrink.index import vllm_ingest
-from kvshrink.index.block_index import TIER_INDEX, BlockIndex
+from kvshrink.index.block_index import TIER_INDEX, TIERS, BlockIndex
 from kvshrink.index.config import ScoringConfig
 from kvshrink.index.events import DecodedBatch, decode_batch
 from kvshrink.index.hashing import prefix_hashes
@@ -79,16 +79,19 @@ def test_load_spreads_a_popular_prefix():
     assert loaded.instances[-1].instance_id == "i0"
 
 
+def _candidate(instance_id: str, tier_tokens: list[int], load: float) -> InstanceScore:
+    return InstanceScore(instance_id, None, sum(tier_tokens), dict(zip(TIERS, tier_tokens)), 0.0, load)
+
+
 def test_score_formula_and_ties():
     cfg = ScoringConfig(hit_length_weight=1.0, media_speed_weight=0.0, load_weight=1.0, overload_factor=100)
-    cands = [InstanceScore("a", None, 500, [500, 0, 0, 0], 0, load=4), InstanceScore("b", None, 500, [0, 500, 0, 0], 0,
-                                                                                     load=0)]
+    cands = [_candidate("a", [500, 0, 0, 0], load=4), _candidate("b", [0, 500, 0, 0], load=0)]
     ranked = score_instances(1000, cands, cfg)
     # hit 0.5 each; mean load 2: a's relative load +1, b's -1
     assert [c.instance_id for c in ranked] == ["b", "a"]
     assert ranked[0].score == pytest.approx(0.5 + 1.0) and ranked[1].score == pytest.approx(0.5 - 1.0)
-    cold = [InstanceScore(n, None, 0, [0, 0, 0, 0], 0, load=1) for n in "abcd"]
-    first = [score_instances(100, [InstanceScore(c.instance_id, None, 0, [0] * 4, 0, 1) for c in cold], cfg, s)[0]
+    cold = [_candidate(n, [0, 0, 0, 0], load=1) for n in "abcd"]
+    first = [score_instances(100, [_candidate(c.instance_id, [0] * 4, 1) for c in cold], cfg, s)[0]
              .instance_id for s in (1, 2, 3, 4, 5, 6, 7, 8)]
     assert len(set(first)) > 1  # cold ties spread by prompt, deterministically per prompt
     assert score_instances(100, cold, cfg, 7)[0].instance_id == score_instances(100, cold, cfg, 7)[0].instance_id

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
 import msgspec
 import pytest
+import xxhash
 
 from index_helpers import (AllBlocksCleared, BlockRemoved, BlockStored, old_payload, vllm_cleared, vllm_payload,
                            vllm_removed, vllm_stored)
@@ -31,6 +33,40 @@ def test_prefix_hashes_chain_and_prefix_property():
     # chaining from a parent equals hashing the whole prefix
     data = token_bytes(TOKENS)
     assert chain_hashes(data[32 * 4:], 16, full[1]) == full[2:]
+
+
+def _documented_chain(tokens: list[int], block_size: int, parent: int) -> list[int]:
+    """The hash as ``hashing``'s docstring defines it, one Python int at a time."""
+    mask, k = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    seed = xxhash.xxh3_64_intdigest(b"kvshrink-index/2\0multipliers")
+    multipliers = [xxhash.xxh3_64_intdigest(i.to_bytes(4, "little"), seed) | 1 for i in range(block_size)]
+
+    def fmix64(h: int) -> int:
+        h ^= h >> 33
+        h = h * 0xFF51AFD7ED558CCD & mask
+        h ^= h >> 33
+        h = h * 0xC4CEB9FE1A85EC53 & mask
+        return h ^ h >> 33
+
+    out, h = [], parent
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start:start + block_size]
+        h = (h * k + fmix64(sum((t + 1) * m for t, m in zip(block, multipliers)) & mask)) & mask
+        out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128, 256])
+def test_vectorized_chain_equals_the_documented_definition(block_size):
+    rnd = random.Random(block_size)
+    tokens = [rnd.randrange(2**32) for _ in range(3000)] + [0, 2**32 - 1] * block_size  # extremes included
+    root = root_hash("m", block_size)
+    assert root == xxhash.xxh3_64_intdigest(b"kvshrink-index/2\0m\0" + str(block_size).encode())
+    for n in (len(tokens), 63 * block_size, 64 * block_size, block_size - 1):  # both products, partial, none
+        assert chain_hashes(token_bytes(tokens[:n]), block_size, root) == _documented_chain(tokens[:n], block_size, root)
+    full = chain_hashes(token_bytes(tokens), block_size, root)
+    middle = len(full) // 2
+    assert chain_hashes(token_bytes(tokens[middle * block_size:]), block_size, full[middle - 1]) == full[middle:]
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["x"]])
