@@ -74,22 +74,21 @@ class Coverage:
     """What one block size says about a prompt, per candidate instance ``k``: the fastest tier holding
     each run of blocks along its consecutive cached prefix (``tier[r, k]``, -1 once that prefix ended)."""
 
-    ends: np.ndarray  # [runs] token offset where each run ends
+    lengths: np.ndarray  # [runs] tokens in each run
     tier: np.ndarray  # [runs, candidates]
 
     def tier_tokens(self) -> np.ndarray:
         """``[candidates, 4]``: tokens of each one's prefix on each tier (their sum: its matched length)."""
         candidates = self.tier.shape[1]
         slot = (self.tier + 1) + 5 * np.arange(candidates)  # 5 slots per candidate: none, gpu, dram, ssd, remote
-        lengths = np.repeat(np.diff(self.ends, prepend=0), candidates)
-        counts = np.bincount(slot.ravel(), weights=lengths, minlength=5 * candidates)
+        counts = np.bincount(slot.ravel(), weights=np.repeat(self.lengths, candidates), minlength=5 * candidates)
         return counts.reshape(candidates, 5)[:, 1:].astype(np.int64)
 
     def runs(self, k: int) -> list[Run]:
         """Candidate ``k``'s prefix as (start, end, tier) runs: what ``merge_runs`` combines."""
         runs: list[Run] = []
         start = 0
-        for end, tier in zip(self.ends.tolist(), self.tier[:, k].tolist()):
+        for end, tier in zip(np.cumsum(self.lengths).tolist(), self.tier[:, k].tolist()):
             if tier < 0:
                 break
             if runs and runs[-1][2] == tier:
@@ -108,7 +107,7 @@ def cover(index: BlockIndex, block_hashes: Sequence[int], bits: Sequence[int], b
         return None
     fastest = index.fastest_tiers(packed, bits)  # [runs, candidates]
     alive = np.logical_and.accumulate(fastest >= 0, axis=0)  # still on its consecutive prefix
-    return Coverage(np.cumsum(blocks) * block_size, np.where(alive, fastest, -1))
+    return Coverage(np.multiply(blocks, block_size), np.where(alive, fastest, -1))
 
 
 def merge_runs(run_lists: Sequence[Sequence[Run]]) -> list[Run]:
