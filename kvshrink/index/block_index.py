@@ -120,6 +120,9 @@ class BlockIndex:
         feed.tiers_fed |= 1 << tier
         entries, key_map = self._entries, feed.key_map
         get, move = entries.get, entries.move_to_end
+        # blocks that had equal entries share one new int: less memory, and a lookup walking a run
+        # of them compares one object with itself instead of loading one int per block
+        updated: dict[int, int] = {}
         stored = conflicts = 0
         for engine_key, block_hash in zip(engine_keys, block_hashes):
             previous = key_map.get(engine_key)
@@ -136,7 +139,10 @@ class BlockIndex:
             if packed is None:
                 entries[block_hash] = bit
             else:
-                entries[block_hash] = packed | bit
+                merged = updated.get(packed)
+                if merged is None:
+                    merged = updated[packed] = packed | bit
+                entries[block_hash] = merged
                 move(block_hash)
             key_map[engine_key] = block_hash
             stored += 1
