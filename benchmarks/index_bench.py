@@ -390,7 +390,7 @@ TARGET_ROWS = {"in-process": "lookup p99, in-process", "  same, raw socket clien
 def check_targets(res: dict) -> list[dict]:
     """Issue 6's targets. A lookup target is judged per block size on the run's p99: the 99th
     percentile of every lookup of that form in the run, all repeats pooled. (Each repeat's own p99,
-    in the table, rests on its 5 slowest samples out of 500, taken within a second or two: on this
+    in the table, rests on its 10 slowest samples out of 1000, taken within a few seconds: on this
     shared VM whether such a window holds a burst of host contention decides it.) The reference
     loop's p99, pooled the same way, comes with it."""
     out = []

@@ -225,7 +225,7 @@ def tier_codes(packed: Sequence[int], instances: int) -> np.ndarray:
     """``[len(packed), instances]`` uint8: the nibble of each instance in each packed entry (bit ``t``:
     held on tier ``t``). One ``to_bytes`` per entry; the nibbles of all are split in two numpy steps."""
     nbytes = (instances + 1) // 2
-    keep = (1 << 8 * nbytes) - 1  # instances above the ones asked for
+    keep = (1 << 8 * nbytes) - 1  # drops the nibbles of instances above the ones asked for
     raw = np.frombuffer(b"".join([(entry & keep).to_bytes(nbytes, "little") for entry in packed]), dtype=np.uint8)
     codes = np.empty((len(packed), 2 * nbytes), dtype=np.uint8)
     codes[:, 0::2] = raw.reshape(len(packed), nbytes) & 15
