@@ -227,9 +227,10 @@ def tier_codes(packed: Sequence[int], instances: int) -> np.ndarray:
     nbytes = (instances + 1) // 2
     keep = (1 << 8 * nbytes) - 1  # drops the nibbles of instances above the ones asked for
     raw = np.frombuffer(b"".join([(entry & keep).to_bytes(nbytes, "little") for entry in packed]), dtype=np.uint8)
+    raw = raw.reshape(len(packed), nbytes)
     codes = np.empty((len(packed), 2 * nbytes), dtype=np.uint8)
-    codes[:, 0::2] = raw.reshape(len(packed), nbytes) & 15
-    codes[:, 1::2] = raw.reshape(len(packed), nbytes) >> 4
+    codes[:, 0::2] = raw & 15
+    codes[:, 1::2] = raw >> 4
     return codes[:, :instances]
 
 

@@ -183,14 +183,6 @@ def _id_hash(instance_id: str) -> int:
     return xxhash.xxh3_64_intdigest(instance_id.encode())
 
 
-def score_instances(prompt_tokens: int, candidates: list[InstanceScore], cfg: ScoringConfig,
-                    tiebreak_seed: int = 0) -> list[InstanceScore]:
-    """:func:`rank` for candidates given as :class:`InstanceScore` (their score fields are ignored)."""
-    tier_tokens = np.array([c.tier_tokens for c in candidates], dtype=np.int64).reshape(len(candidates), 4)
-    return rank(prompt_tokens, [c.instance_id for c in candidates], [c.url for c in candidates], tier_tokens,
-                np.array([c.load for c in candidates], dtype=np.float64), cfg, tiebreak_seed)
-
-
 def lookup(state: IndexState, model: str, token_ids: Sequence[int] | bytes, loads: Mapping[str, float] | None = None,
            only: list[str] | None = None) -> LookupResult:
     """Rank the instances serving ``model`` for this prompt (token ids, or their little-endian uint32 bytes)."""

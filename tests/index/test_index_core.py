@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from index_helpers import MODEL, make_config
 from kvshrink.index import vllm_ingest
-from kvshrink.index.block_index import TIER_INDEX, TIERS, BlockIndex
+from kvshrink.index.block_index import TIER_INDEX, BlockIndex
 from kvshrink.index.config import ScoringConfig
 from kvshrink.index.events import DecodedBatch, decode_batch
 from kvshrink.index.hashing import prefix_hashes
-from kvshrink.index.scoring import InstanceScore, lookup, merge_runs, score_instances
+from kvshrink.index.scoring import lookup, merge_runs, rank
 from kvshrink.index.sequence import SequenceTracker, Verdict
 from kvshrink.index.state import IndexState
 from index_helpers import vllm_cleared, vllm_payload, vllm_removed, vllm_stored
@@ -79,22 +80,24 @@ def test_load_spreads_a_popular_prefix():
     assert loaded.instances[-1].instance_id == "i0"
 
 
-def _candidate(instance_id: str, tier_tokens: list[int], load: float) -> InstanceScore:
-    return InstanceScore(instance_id, None, sum(tier_tokens), dict(zip(TIERS, tier_tokens)), 0.0, load)
+def _rank(prompt_tokens: int, tier_tokens: dict[str, list[int]], loads: dict[str, float], cfg: ScoringConfig,
+          seed: int = 0):
+    """``rank`` of candidates given by name: tokens per tier and load each."""
+    ids = list(tier_tokens)
+    return rank(prompt_tokens, ids, [None] * len(ids), np.array([tier_tokens[i] for i in ids], dtype=np.int64),
+                np.array([loads[i] for i in ids], dtype=np.float64), cfg, seed)
 
 
 def test_score_formula_and_ties():
     cfg = ScoringConfig(hit_length_weight=1.0, media_speed_weight=0.0, load_weight=1.0, overload_factor=100)
-    cands = [_candidate("a", [500, 0, 0, 0], load=4), _candidate("b", [0, 500, 0, 0], load=0)]
-    ranked = score_instances(1000, cands, cfg)
+    ranked = _rank(1000, {"a": [500, 0, 0, 0], "b": [0, 500, 0, 0]}, {"a": 4, "b": 0}, cfg)
     # hit 0.5 each; mean load 2: a's relative load +1, b's -1
     assert [c.instance_id for c in ranked] == ["b", "a"]
     assert ranked[0].score == pytest.approx(0.5 + 1.0) and ranked[1].score == pytest.approx(0.5 - 1.0)
-    cold = [_candidate(n, [0, 0, 0, 0], load=1) for n in "abcd"]
-    first = [score_instances(100, [_candidate(c.instance_id, [0] * 4, 1) for c in cold], cfg, s)[0]
-             .instance_id for s in (1, 2, 3, 4, 5, 6, 7, 8)]
+    cold, idle = {n: [0, 0, 0, 0] for n in "abcd"}, {n: 1 for n in "abcd"}
+    first = [_rank(100, cold, idle, cfg, s)[0].instance_id for s in (1, 2, 3, 4, 5, 6, 7, 8)]
     assert len(set(first)) > 1  # cold ties spread by prompt, deterministically per prompt
-    assert score_instances(100, cold, cfg, 7)[0].instance_id == score_instances(100, cold, cfg, 7)[0].instance_id
+    assert _rank(100, cold, idle, cfg, 7)[0].instance_id == _rank(100, cold, idle, cfg, 7)[0].instance_id
 
 
 def test_merge_runs_across_block_sizes():

@@ -161,7 +161,7 @@ def test_index_errors_and_unknown_backends_fall_back(start_index):
 
 def test_helpers():
     assert lookup_body({"prompt": "x"}, "m") == {"model": "m", "prompt": "x"}
-    # token ids travel as base64 little-endian uint32 (the index's cheapest JSON form)
+    # token ids travel as little-endian uint32 bytes (a msgpack binary: one copy for the index)
     assert lookup_body({"prompt": [1, 2]}, "m") == {"model": "m", "token_bytes": b"\x01\0\0\0\x02\0\0\0"}
     assert lookup_body({"prompt": [[1], [2]]}, "m") is None
     assert lookup_body({"prompt": [1, -2]}, "m") is None and lookup_body({"prompt": [2**32]}, "m") is None
