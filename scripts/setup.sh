@@ -32,8 +32,11 @@ fi
 
 if ! command -v redis-server >/dev/null; then
   echo "setup: installing redis-server"
-  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq && $sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  # `env VAR=value cmd` works with and without sudo; a bare `$sudo VAR=value cmd` with an empty
+  # $sudo would run `VAR=value` as a command.
+  sudo=(); [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
 .venv/bin/kvshrink fixture >/dev/null
