@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -23,10 +22,10 @@ from kvshrink.errors import ConfigError, KVShrinkError
 
 if TYPE_CHECKING:
     from kvshrink.store import StoreConfig, TieredStore
+    from kvshrink.store.config import TierConfig
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 REDIS_PROBE_TIMEOUT_S = 2.0
 
 
@@ -59,7 +58,7 @@ def preflight(config: "StoreConfig", key_prefix: str) -> None:
     in /dev/shm, Redis answers."""
     from kvshrink.codec import METHODS
 
-    shm_tiers_bytes = 0
+    dram_tiers: list["TierConfig"] = []
     for index, tier in enumerate(config.tiers):
         key = f"{key_prefix}tiers[{index}]"
         if tier.compressed and tier.method not in METHODS:  # else every put would fail at run time
@@ -67,8 +66,8 @@ def preflight(config: "StoreConfig", key_prefix: str) -> None:
         if tier.kind == "ssd":
             _check_directory(Path(tier.path), f"{key}.path")
         elif tier.kind == "dram":
-            shm_tiers_bytes += tier.capacity
-            _check_shm_capacity(tier.shm_name, shm_tiers_bytes, f"{key}.capacity")
+            dram_tiers.append(tier)
+            _check_shm_room(dram_tiers, f"{key}.capacity")
         elif tier.kind == "redis":
             _check_redis(tier.url, tier.cluster, f"{key}.url")
 
@@ -112,16 +111,36 @@ def _check_directory(path: Path, key: str) -> None:
         raise ConfigError(key, f"directory {str(path)!r} is not writable by this user")
 
 
-def _check_shm_capacity(shm_name: str, needed_bytes: int, key: str) -> None:
-    """A DRAM arena larger than free /dev/shm would be created sparse and die with SIGBUS later."""
-    if not SHM_DIR.is_dir():
-        raise ConfigError(key, f"{SHM_DIR} does not exist; the DRAM tier lives there")
-    existing = SHM_DIR / shm_name
-    reusable = existing.stat().st_size if existing.exists() else 0
-    free = shutil.disk_usage(SHM_DIR).free + reusable
-    if needed_bytes > free:
-        raise ConfigError(key, f"DRAM tiers need {needed_bytes / 2**30:.2f} GiB but {SHM_DIR} has "
-                               f"{free / 2**30:.2f} GiB free; lower the capacity or enlarge {SHM_DIR}")
+def _check_shm_room(tiers: "list[TierConfig]", key: str) -> None:
+    """An arena reserves all its pages when the store opens it, so a /dev/shm too small fails
+    there; say so here first, creating nothing: the DRAM tiers so far must fit in the free space
+    plus what their existing arena files already hold (an arena reopens in place)."""
+    from kvshrink.store.arena import describe_size
+    from kvshrink.store.dram import arena_path
+
+    path = arena_path(tiers[-1])
+    directory = path.parent
+    if not directory.is_dir():
+        raise ConfigError(key, f"{directory} does not exist; the DRAM tier's arena {path} lives there")
+    page = os.sysconf("SC_PAGE_SIZE")
+    needed = sum(-(-t.capacity // page) * page for t in tiers)
+    held = sum(_allocated_bytes(arena_path(t)) for t in tiers)
+    vfs = os.statvfs(directory)
+    free = vfs.f_bavail * vfs.f_frsize
+    if needed > free + held:
+        raise ConfigError(key, f"the DRAM arena {path} needs {describe_size(tiers[-1].capacity)}"
+                               + (f" ({describe_size(needed)} with the DRAM tiers before it)" if len(tiers) > 1 else "")
+                               + f" but {directory} has {describe_size(free)} free"
+                               + (f" and {describe_size(held)} in existing arena files" if held else "")
+                               + f"; lower the capacity or enlarge {directory}")
+
+
+def _allocated_bytes(path: Path) -> int:
+    """Bytes of memory a (possibly sparse) existing file holds; 0 when there is none."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _check_redis(url: str, cluster: bool, key: str) -> None:

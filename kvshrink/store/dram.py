@@ -1,19 +1,27 @@
 """DRAM tier: a bounded :class:`~kvshrink.store.arena.Arena` in ``/dev/shm`` with LRU eviction.
 
-One process owns the arena for writing (an exclusive ``flock`` on the file, released by the kernel
-when the owner dies, so ``kill -9`` never leaves it locked); any number of processes may attach
-read-only. A reader never trusts its snapshot: it re-checks a block's header after decoding, and
-a block rewritten underneath it is a miss, not corruption.
+One process owns the arena for writing (an exclusive ``flock`` on the file, taken by the arena
+before it touches the file and released by the kernel when the owner dies, so ``kill -9`` never
+leaves it locked); any number of processes may attach read-only. A reader never trusts its
+snapshot: it re-checks a block's header after decoding, and a block rewritten underneath it is a
+miss, not corruption.
+
+The arena's pages are reserved when the owner opens it: a ``/dev/shm`` too small for the
+capacity is a :class:`~kvshrink.errors.StoreUnavailableError` from the constructor (naming the
+arena, the size asked and the free space), not a SIGBUS after some puts. Damaged block headers
+found when the owner opens the arena, or when it frees a block, are counted as ``quarantined``
+and logged; their chunks are gone, never listed or evicted (see :mod:`kvshrink.store.arena`).
 
 Huge pages (``madvise(MADV_HUGEPAGE)`` on the shared mapping) and ``mlock`` are requests: when the
-kernel refuses, the tier runs on normal, unlocked pages and says so once in the log.
+kernel refuses, the tier runs on normal, unlocked pages and says so once in the log. The pages
+are reserved (``posix_fallocate``) before the mapping is advised, so whether they are huge is up
+to the tmpfs mount (``huge=``) or khugepaged.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import threading
@@ -22,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from kvshrink.errors import StoreUnavailableError
+from kvshrink.errors import CorruptDataError, StoreUnavailableError
 from kvshrink.store.arena import SUPERBLOCK, Arena, Block, block_size_for
 from kvshrink.store.config import TierConfig
 from kvshrink.store.tier import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
@@ -56,9 +64,12 @@ class DramTier(Tier):
         self.path = arena_path(config)
         if readonly and not self.path.exists():
             raise StoreUnavailableError(f"tier {self.name}: no arena at {self.path} to attach to")
-        self._arena = Arena(self.path, config.capacity, readonly=readonly)
-        if not readonly:
-            self._lock_owner()
+        try:
+            self._arena = Arena(self.path, config.capacity, readonly=readonly)
+        except StoreUnavailableError as exc:  # owned by another process, no room in /dev/shm, ...
+            raise StoreUnavailableError(f"tier {self.name}: {exc}") from exc
+        except CorruptDataError as exc:
+            raise CorruptDataError(f"tier {self.name}: {exc}") from exc
         self.capacity_bytes = self._arena.size - SUPERBLOCK
         self.hugepages = self._advise_hugepages() if config.hugepages else False
         self.mlocked = self._mlock() if config.mlock and not readonly else False
@@ -67,22 +78,18 @@ class DramTier(Tier):
         self._blocks: dict[bytes, Block] = {}
         self._lru = LruIndex(config.eviction)
         self._readers: dict[int, int] = {}  # block offset -> threads decoding from it
-        self._doomed: set[int] = set()  # removed while being read: freed when the last reader leaves
+        self._doomed: dict[int, int] = {}  # removed while read (offset -> size): freed by the last reader
         self._scanned_at = 0.0
         self._load()
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _lock_owner(self) -> None:
-        try:
-            fcntl.flock(self._arena.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            self._arena.close()
-            raise StoreUnavailableError(
-                f"tier {self.name}: arena {self.path} is owned by another live process; attach with readonly=True"
-            ) from exc
-
     def _load(self) -> None:
         blocks = self._arena.scan()
+        if self._arena.damaged and not self.readonly:  # a reader's are the owner's to count and repair
+            self.counters.add("quarantined", len(self._arena.damaged))
+            log.warning("tier %s: arena %s had %d damaged block header(s) (offsets %s); their space is free "
+                        "again and their chunks are dropped", self.name, self.path, len(self._arena.damaged),
+                        self._arena.damaged[:8])
         self._blocks = {b.key: b for b in blocks}
         self._lru = LruIndex(self.config.eviction)
         for block in blocks:  # oldest first: insertion order is the best LRU guess after a restart
@@ -135,7 +142,7 @@ class DramTier(Tier):
         with self._freed:
             reading: set[int] = set()  # our victims whose space returns when a read ends
             while (block := self._arena.allocate(key, frame_len)) is None:
-                if reading & self._doomed:
+                if reading & self._doomed.keys():
                     # wait for those reads rather than evict more than plan_eviction promised
                     if not self._freed.wait(_DOOMED_WAIT_S):
                         reading.clear()  # a read that slow: evict further instead
@@ -258,9 +265,17 @@ class DramTier(Tier):
         block = self._blocks.pop(key)
         self._lru.pop(key)
         if block.offset in self._readers:
-            self._doomed.add(block.offset)
+            self._doomed[block.offset] = block.size
         else:
-            self._arena.free(block.offset)
+            self._free_locked(block.offset, block.size)
+
+    def _free_locked(self, offset: int, size: int) -> None:
+        """Free by the size this process indexed (the file's header may have been scribbled on
+        since: the arena checks it, and a damaged one is counted and rewritten)."""
+        if not self._arena.free(offset, size):
+            self.counters.add("quarantined")
+            log.warning("tier %s: arena %s: the header of the block at offset %d was damaged while in use; "
+                        "freed by its indexed size", self.name, self.path, offset)
 
     def _release_reader_locked(self, offset: int) -> None:
         remaining = self._readers[offset] - 1
@@ -269,6 +284,5 @@ class DramTier(Tier):
             return
         del self._readers[offset]
         if offset in self._doomed:
-            self._doomed.discard(offset)
-            self._arena.free(offset)
+            self._free_locked(offset, self._doomed.pop(offset))
             self._freed.notify_all()
