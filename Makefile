@@ -1,5 +1,5 @@
 # The two commands README.md opens with. Both set up everything first (scripts/setup.sh).
-#   make bench   main job: KVShrink vs stock LMCache on the embedded default
+#   make bench   main job: KVShrink vs stock LMCache on the shipped default store (configs/store-default.yaml)
 #   make test    the test suite (CI runs exactly this through .ci/run)
 # Extra arguments: make bench ARGS="--quick"   make test ARGS="-m 'not e2e'"
 

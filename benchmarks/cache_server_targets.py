@@ -2,9 +2,11 @@
 
 Real processes, two stacks side by side: stock LMCache (``lmcache server``, L1 + its ``fs`` L2
 adapter) and LMCache with :class:`~kvshrink.storage_backends.mp_l2_adapter.KVShrinkL2Adapter` (L1 +
-our DRAM + SSD store), each with its own vLLM CPU OpenAI server (SmolLM2 bf16, vLLM's own prefix
-cache off). Every step runs on both stacks back to back, so load from elsewhere on a shared
-machine falls on both alike (an idle vLLM costs no CPU). Each request waits ``--settle-s`` first:
+the shipped default store, ``configs/store-default.yaml``: compressed DRAM, exclusive compressed
+SSD; moved and resized by :func:`kvshrink.configs.derive_store`, else unchanged, and recorded in
+the result as ``store_config``), each with its own vLLM CPU OpenAI server (SmolLM2 bf16, vLLM's
+own prefix cache off). Every step runs on both stacks back to back, so load from elsewhere on a
+shared machine falls on both alike (an idle vLLM costs no CPU). Each request waits ``--settle-s`` first:
 a stack is still busy for a moment after it answered, and without the pause the second request of
 every pair was 1.7x slower than the first (medians of 12 pairs, 1.06 s vs 0.63 s; with 1 s: 0.72
 vs 0.66 s), an order effect that alternating the order only turns into noise. TTFT is the first
@@ -21,7 +23,8 @@ Figures, on distinct slices of real text (a short prompt and ``--rounds`` long o
   pairs; median of the ratios with a 95 % bootstrap interval (``paired_stats``), because single
   requests swing by +-40 % on both sides (LMCache's own retrieve into vLLM takes 0.22-0.6 s);
 * warm L2: L1 cleared on both: our DRAM tier vs stock ``fs`` (page cache), ``--repeats`` pairs;
-* after restart: a long prompt stored, the cache server restarted (our shared-memory DRAM tier
+* after restart: a long prompt stored, the cache server restarted (its clean close moves our
+  DRAM-only chunks to the SSD tier, ``persist_on_close``; the shared-memory DRAM tier is then
   removed too, so our hits come from the SSD tier; vLLM re-registers and we wait for it), the same
   prompt again; vs that prompt's cold TTFT; median over ``--rounds`` distinct long prompts;
 * bytes on disk per cached token: files in our SSD directory vs stock's ``fs`` directory;
@@ -55,9 +58,11 @@ from tqdm import tqdm
 
 from kvshrink.benchmarks.comparison import OURS, STOCK, Metric, SideRun, Workload, compare, digest, model_fingerprint
 from kvshrink.benchmarks.paired_stats import paired_ratio
+from kvshrink.configs import derive_store, store_record
 from kvshrink.polling import poll_until
 
 CHUNK = 256
+OURS_CAPACITIES = {"dram": "1GiB", "ssd": "8GiB"}
 # LMCache's own account of each prefetch (lookup + L2 load into L1), from the cache server's log
 _PREFETCH = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/\d+ retained keys \((\d+) L1, (\d+) L2\) "
                        r"in ([0-9.]+) ms")
@@ -111,9 +116,7 @@ class SideStack:
     def adapter(self) -> dict[str, Any]:
         if self.name == STOCK:
             return {"type": "fs", "base_path": str(self.disk)}
-        store = {"promote_on_hit": False,  # as configs/serve-cache-dram-ssd.yaml: L1 keeps loaded chunks
-                 "tiers": [{"kind": "dram", "capacity": "1GiB", "shm_name": self.shm, "put": True},
-                           {"kind": "ssd", "path": str(self.disk), "capacity": "8GiB", "write_back": True}]}
+        store = derive_store(paths={"ssd": self.disk}, shm_names={"dram": self.shm}, capacities=OURS_CAPACITIES)
         return {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
                 "class_name": "KVShrinkL2Adapter", "adapter_params": {"store": store}}
 
@@ -134,7 +137,8 @@ class SideStack:
                                log_path=self.workdir / "vllm.log").start()
 
     def restart_cache(self) -> None:
-        """Stop and start the cache server; our DRAM arena is removed so hits come from the SSD."""
+        """Stop and start the cache server; our DRAM arena is removed so hits come from the SSD
+        (the server's clean stop closed our store, which copied DRAM-only chunks there)."""
         from kvshrink.storage_backends.mp_observe import RESTART_GAP_S, wait_for_engine
 
         self.server.stop()
@@ -171,15 +175,22 @@ class SideStack:
                     continue
                 by_count.setdefault(f"{keys} chunks", []).append(float(ms))
 
-    def persisted_chunks(self) -> int:
+    def stored_chunks(self) -> int:
+        """Chunks the L2 side holds: stock's ``fs`` files; ours: the store's DRAM and SSD tiers, 0
+        while work is in flight (exclusive tiers: ours reach the SSD on eviction or at close)."""
+        if self.name == OURS:
+            from kvshrink.benchmarks.e2e_ttft import store_state
+
+            chunks, idle = store_state(self.server.http_url)
+            return chunks if idle else 0
         return sum(1 for _ in self.disk.rglob(self._pattern())) if self.disk.exists() else 0
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.disk.rglob(self._pattern()))
 
-    def wait_persisted(self, chunks: int, timeout: float = 180.0) -> None:
-        poll_until(lambda: self.persisted_chunks() >= chunks, timeout, what=f"{self.name}: {chunks} chunks on disk",
-                   error=lambda message: TimeoutError(f"{message} ({self.persisted_chunks()} so far)"))
+    def wait_stored(self, chunks: int, timeout: float = 180.0) -> None:
+        poll_until(lambda: self.stored_chunks() >= chunks, timeout, what=f"{self.name}: {chunks} chunks stored",
+                   error=lambda message: TimeoutError(f"{message} ({self.stored_chunks()} so far)"))
 
     def close(self) -> None:
         for server in (self.vllm, self.server):
@@ -216,7 +227,7 @@ def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], re
     stored = len(short) // CHUNK
     for s in sides:
         s.figures.cold_short_s = s.request(short, "cold_short", max_tokens)
-        s.wait_persisted(stored)
+        s.wait_stored(stored)
         progress.update()
     # A: both from LMCache's L1 (our adapter attached but idle): the control
     for r in range(target_pairs):
@@ -234,14 +245,14 @@ def measure(sides: list[SideStack], short: list[int], longs: list[list[int]], re
 
         def cold(s: SideStack) -> Callable[[], None]:
             return lambda: (s.figures.cold_long_s.append(s.request(long, "cold_long", max_tokens)),
-                            s.wait_persisted(stored))
+                            s.wait_stored(stored))
 
         pair(cold(stock), cold(ours), r)
         for side in sides:
             side.restart_cache()
         pair(lambda: stock.figures.after_restart_long_s.append(stock.request(long, "after_restart_long", max_tokens)),
              lambda: ours.figures.after_restart_long_s.append(ours.request(long, "after_restart_long", max_tokens)), r)
-    for side in sides:
+    for side in sides:  # every chunk is on disk now: the last restart's close persisted ours
         side.figures.disk_bytes = side.disk_bytes()
         side.figures.cached_tokens = stored * CHUNK
         side.read_prefetch_times()
@@ -311,7 +322,8 @@ def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int
                  for r in range(rounds) for label in ("cold_long", "after_restart_long")]
     all_hit = {name: {label: all(h == _expected(label, short, longs) for h in hits) for label, hits in side.hits.items()}
                for name, side in results.items()}
-    return {"short_tokens": short_tokens, "long_tokens": long_tokens, "rounds": rounds, "repeats": repeats,
+    return {"store_config": store_record(), "short_tokens": short_tokens, "long_tokens": long_tokens,
+            "rounds": rounds, "repeats": repeats,
             "target_pairs": target_pairs, "settle_s": settle_s,
             "workdir": str(workdir) if keep_workdir else None, "rows": [r.to_dict() for r in rows], "targets": targets,
             "same_output_text_per_prompt": same and all(same_long), "hits_as_expected": all_hit,

@@ -7,10 +7,12 @@ chunk keys from LMCache's ``ChunkedTokenDatabase`` (prefix-chained hashes of 256
 ``allocate(busy_loop=False)`` + ``batched_put`` for the chunks that missed, then ``batched_unpin``.
 
 * stock: ``LocalCPUBackend`` (``max_local_cpu_size``) + ``LocalDiskBackend`` (``max_local_disk_size``).
-* ours: our in-process storage plugin over the shipped store config (``configs/store-dram-ssd.yaml``)
-  with the same budgets. LMCache still needs a ``LocalCPUBackend`` to allocate read buffers; it
-  runs with ``local_cpu: false`` (a staging pool that caches nothing) and its size is taken out of
-  our DRAM tier, so total DRAM is equal on both sides.
+* ours: our in-process storage plugin over the shipped default store (``configs/store-default.yaml``,
+  or ``--store-config``) with the same budgets, changed by :func:`kvshrink.configs.derive_store`
+  only in paths, arena name, capacities and serial engine lanes. LMCache still needs a
+  ``LocalCPUBackend`` to allocate read buffers; it runs with ``local_cpu: false`` (a staging pool
+  that caches nothing) and its size is taken out of our DRAM tier, so total DRAM is equal on both
+  sides. Our runs record the store file they used (path, sha256) in their details.
 
 The KV bytes are real SmolLM2 KV (a pool of chunks; the n-th distinct key gets chunk n mod pool),
 so compressibility is real. Replays are deterministic: every put is waited for before the next
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, trace_fingerprint
+from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
 from kvshrink.polling import poll_until
 
@@ -41,12 +44,10 @@ log = logging.getLogger(__name__)
 
 MIB = 2**20
 MIN_SSD_MIB = 64
-SERIAL_ENGINE = {"put_workers": 1, "background_workers": 1, "read_workers": 1}
 CHUNK_TOKENS = 256
 PLUGIN_NAME = "kvshrink"
 PLUGIN_MODULE = "kvshrink.storage_backends.inprocess_plugin"
 PLUGIN_CLASS = "KVShrinkStoragePlugin"
-DEFAULT_STORE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "store-dram-ssd.yaml"
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> chunks of [2, 30, 256, 192] bf16
 KV_SHAPE = (30, 2, CHUNK_TOKENS, 3, 64)
 
@@ -120,32 +121,18 @@ def stock_engine_config(budget: Budget, workdir: Path) -> Any:
         extra_config={"disk_io_threads": 1})  # writes land in submit order: the LRU order is reproducible
 
 
-def ours_store_mapping(budget: Budget, settings: ReplaySettings, workdir: Path, template: Path, tag: str) -> dict:
-    """The shipped store config with this budget's capacities, a private SSD directory and arena."""
-    import yaml
-
-    if not Path(template).is_file():
-        raise ConfigError("--store-config", f"store config {str(template)!r} does not exist")
-    data = yaml.safe_load(Path(template).read_text())
-    tiers = []
-    dram_left = (budget.dram_mib - settings.staging_mib) * MIB
-    for tier in data.get("tiers", []):
-        tier = dict(tier)
-        if tier["kind"] == "dram":
-            if dram_left <= 0:
-                continue  # the staging pool took the whole DRAM budget
-            tier.update(capacity=dram_left, shm_name=f"kvshrink-bench-{tag}")
-        elif tier["kind"] == "ssd":
-            tier.update(capacity=budget.ssd_mib * MIB, path=str(workdir / "kvshrink-ssd"))
-        else:
-            continue  # the embedded default has no services; a Redis tier is not part of this budget
-        tiers.append(tier)
-    if not any(t["kind"] == "ssd" for t in tiers):
-        raise ConfigError("tiers", f"{template} has no ssd tier; the capacity replay needs DRAM + SSD")
-    # one worker per lane: chunks land (and age) in submit order, so the replay is reproducible;
-    # this changes how fast the store works, not what it keeps
-    engine = {**data.get("engine", {}), **SERIAL_ENGINE}
-    return {**data, "tiers": tiers, "engine": engine}
+def ours_store_mapping(budget: Budget, settings: ReplaySettings, workdir: Path, template: Path | None = None,
+                       tag: str = "") -> dict:
+    """The store config (default: the shipped default) with this budget's capacities, a private SSD
+    directory and arena, and one worker per engine lane: chunks land (and age) in submit order, so
+    the replay repeats exactly; that changes how fast the store works, not what it keeps."""
+    dram_bytes = (budget.dram_mib - settings.staging_mib) * MIB
+    if dram_bytes <= 0:
+        raise ConfigError("budget.dram_mib", f"{budget.dram_mib} MiB leaves nothing for our DRAM tier after "
+                                             f"LMCache's {settings.staging_mib} MiB staging pool")
+    return derive_store(template, paths={"ssd": workdir / "kvshrink-ssd"},
+                        shm_names={"dram": f"kvshrink-bench-{tag or workdir.name}"},
+                        capacities={"dram": dram_bytes, "ssd": budget.ssd_mib * MIB}, serial_engine=True)
 
 
 def ours_engine_config(store: Mapping[str, Any], settings: ReplaySettings) -> Any:
@@ -382,19 +369,20 @@ def _backend_stats(manager: Any) -> dict[str, Any]:
 
 # -- one side, one budget ---------------------------------------------------------------------------
 def run_side(side: str, budget: Budget, requests: Sequence[Any], pool: ChunkPool, settings: ReplaySettings,
-             store_template: Path = DEFAULT_STORE_CONFIG, progress: Callable[[int], None] = lambda n: None,
+             store_template: Path | None = None, progress: Callable[[int], None] = lambda n: None,
              tag: str = "") -> SideRun:
-    """Replay ``requests`` on one side with one budget, in a private scratch directory."""
+    """Replay ``requests`` on one side with one budget, in a private scratch directory (ours: on
+    ``store_template``, default the shipped default store)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"kvshrink-capacity-{'stock' if side == STOCK else 'ours'}-"))
     tag = tag or workdir.name.rsplit("-", 1)[-1]
     try:
         if side == STOCK:
             config, expect_plugin = stock_engine_config(budget, workdir), False
-            built = stock_budget_of(config)
+            built, used = stock_budget_of(config), {}
         elif side == OURS:
             store = ours_store_mapping(budget, settings, workdir, store_template, tag)
             config, expect_plugin = ours_engine_config(store, settings), True
-            built = ours_budget_of(config)
+            built, used = ours_budget_of(config), {"store_config": store_record(store_template)}
         else:
             raise ValueError(f"unknown side {side!r}")
         keys = request_keys(requests, config)
@@ -407,11 +395,11 @@ def run_side(side: str, budget: Budget, requests: Sequence[Any], pool: ChunkPool
                         budget={**built, "store_batch": settings.store_batch, "chunk_tokens": CHUNK_TOKENS})
     return SideRun(side, workload, stats.figures(budget, pool.chunk_bytes),
                    {"stats": {k: v for k, v in asdict(stats).items() if k != "backend_stats"},
-                    "backends": stats.backend_stats, "budget": asdict(budget)})
+                    "backends": stats.backend_stats, "budget": asdict(budget), **used})
 
 
 def _replay_task(side: str, budget: Budget, requests: Sequence[Any], settings: ReplaySettings,
-                 store_template: Path) -> SideRun:
+                 store_template: Path | None) -> SideRun:
     """One replay in a worker process (the chunk pool is loaded once per process)."""
     import os
 
@@ -420,7 +408,7 @@ def _replay_task(side: str, budget: Budget, requests: Sequence[Any], settings: R
 
 
 def run_replays(tasks: Sequence[tuple[str, Budget]], requests: Sequence[Any], settings: ReplaySettings,
-                store_template: Path = DEFAULT_STORE_CONFIG, jobs: int = 1,
+                store_template: Path | None = None, jobs: int = 1,
                 on_done: Callable[[str, Budget], None] = lambda side, budget: None) -> list[SideRun]:
     """Every (side, budget) replay, ``jobs`` at a time in worker processes; results in task order.
 

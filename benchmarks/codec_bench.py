@@ -84,13 +84,13 @@ def load_samples(count: int) -> list[tuple[str, np.ndarray]]:
 
 def contenders(threads: int, include_zipnn: bool = True) -> list[Contender]:
     """Ours (zstd and qat methods, 1 and ``threads`` threads) and the baselines."""
-    import lz4.frame
-    import numcodecs
     import zstandard
 
+    from kvshrink.benchmarks.bench_extra import require
     from kvshrink.codec import Codec
     from kvshrink.codec.qat import software_deflate_name
 
+    lz4_frame, numcodecs = require("lz4.frame"), require("numcodecs")
     out: list[Contender] = []
     for method in ("zstd", "qat"):
         label = "kvshrink zstd" if method == "zstd" else f"kvshrink qat ({_qat_path_label(software_deflate_name())})"
@@ -104,11 +104,10 @@ def contenders(threads: int, include_zipnn: bool = True) -> list[Contender]:
     shuffle, zstd1 = numcodecs.Shuffle(elementsize=2), numcodecs.Zstd(level=1)
     out.append(Contender("numcodecs Shuffle(2)+Zstd(1)", lambda x: zstd1.encode(shuffle.encode(x)),
                          lambda b: shuffle.decode(zstd1.decode(b))))
-    out.append(Contender("lz4 raw bytes", lambda x: lz4.frame.compress(x), lz4.frame.decompress))
+    out.append(Contender("lz4 raw bytes", lambda x: lz4_frame.compress(x), lz4_frame.decompress))
     out.append(Contender("deflate-1 raw bytes (zlib)", lambda x: _zlib1(x), _unzlib))
     if include_zipnn:
-        import zipnn
-
+        zipnn = require("zipnn")
         for t in sorted({1, threads}):
             z = zipnn.ZipNN(bytearray_dtype="bfloat16", threads=t)
             out.append(Contender("ZipNN bf16", z.compress, z.decompress, t, prepare=lambda x: bytearray(x.tobytes())))
@@ -280,11 +279,9 @@ def _span(report: dict[str, Any], key: str) -> str:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from kvshrink.benchmarks.bench_extra import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(dict.fromkeys(c["name"] for c in report["codecs"]))
     colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)

@@ -1,8 +1,10 @@
 """End to end on vLLM CPU + SmolLM2: TTFT cold / warm-DRAM / warm-SSD, and a multi-turn agent replay.
 
 Real processes: ``lmcache server`` (MP mode) with an L2 adapter — stock LMCache's ``fs`` adapter
-or our ``KVShrinkL2Adapter`` over the shipped store config — and one vLLM OpenAI server attached
-to it (``kvshrink.launch``); TTFT is the first streamed token (``kvshrink.streaming_client``).
+or our ``KVShrinkL2Adapter`` over the shipped default store (``configs/store-default.yaml``, or
+``--store-config``; moved and resized by :func:`kvshrink.configs.derive_store`, else unchanged) —
+and one vLLM OpenAI server attached to it (``kvshrink.launch``); TTFT is the first streamed token
+(``kvshrink.streaming_client``). Our side records the store file it used (path, sha256).
 
 One vLLM serves both sides in turn: each side gets a fresh cache server on the same port (vLLM's
 MP connector re-registers with it), so both sides meet the same warmed-up engine. vLLM's own
@@ -37,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, model_fingerprint
 from kvshrink.errors import KVShrinkError
 from kvshrink.polling import poll_until
@@ -118,25 +119,18 @@ def stock_adapter(workdir: Path) -> dict[str, Any]:
     return {"type": "fs", "base_path": str(workdir / "lmcache-fs")}
 
 
-def ours_adapter(workdir: Path, template: Path, tag: str, capacity_bytes: int) -> tuple[dict[str, Any], str]:
-    """Our adapter over the shipped store config, with private paths; returns (spec, shm name)."""
-    import yaml
+def ours_adapter(workdir: Path, template: Path | None, tag: str, capacity_bytes: int) -> tuple[dict[str, Any], str]:
+    """Our adapter over the store config (default: the shipped default) with a private SSD
+    directory and arena, the SSD sized for ``capacity_bytes`` and DRAM for at most that; returns
+    (spec, shm name)."""
+    from kvshrink.configs import derive_store, load_store_mapping
+    from kvshrink.store.config import parse_store_config
 
-    from kvshrink.store.config import parse_size
-
-    data = yaml.safe_load(Path(template).read_text())
-    tiers, shm = [], f"kvshrink-e2e-{tag}"
-    for tier in data["tiers"]:
-        tier = dict(tier)
-        if tier["kind"] == "dram":
-            shipped = parse_size(tier.get("capacity", capacity_bytes), "capacity")
-            tier.update(shm_name=shm, capacity=min(shipped, capacity_bytes))
-        elif tier["kind"] == "ssd":
-            tier.update(path=str(workdir / "kvshrink-ssd"), capacity=capacity_bytes)
-        else:
-            continue
-        tiers.append(tier)
-    store = {**data, "tiers": tiers}
+    shipped = {t.name: t.capacity for t in parse_store_config(load_store_mapping(template)).tiers}
+    shm = f"kvshrink-e2e-{tag}"
+    store = derive_store(template, paths={"ssd": workdir / "kvshrink-ssd"}, shm_names={"dram": shm},
+                         capacities={"dram": min(shipped.get("dram", capacity_bytes), capacity_bytes),
+                                     "ssd": capacity_bytes})
     return ({"type": "plugin", "module_path": ADAPTER_MODULE, "class_name": ADAPTER_CLASS,
              "adapter_params": {"store": store}}, shm)
 
@@ -207,13 +201,7 @@ class Side:
         """(chunks on disk, idle)."""
         if self.name == STOCK:
             return sum(1 for _ in Path(self.adapter["base_path"]).rglob("*.data")), True
-        from kvshrink.storage_backends.mp_observe import adapter_status
-
-        status = adapter_status(server.http_url)
-        engine = status["store"]["engine"]
-        idle = not status["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
-        local = [t for t in status["store"]["tiers"].values() if t["kind"] in ("dram", "ssd")]
-        return sum(t["chunks"] for t in local), idle
+        return store_state(server.http_url)
 
     def chunks_on_disk(self) -> int:
         """Chunk files in this side's L2 directory (read with the cache server stopped)."""
@@ -225,6 +213,17 @@ class Side:
         if self.shm_name:
             with contextlib.suppress(FileNotFoundError):
                 (Path("/dev/shm") / self.shm_name).unlink()
+
+
+def store_state(http_url: str) -> tuple[int, bool]:
+    """(chunks in the local tiers of our adapter's store, whether adapter and store are idle)."""
+    from kvshrink.storage_backends.mp_observe import adapter_status
+
+    status = adapter_status(http_url)
+    engine = status["store"]["engine"]
+    idle = not status["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
+    local = [t for t in status["store"]["tiers"].values() if t["kind"] in ("dram", "ssd")]
+    return sum(t["chunks"] for t in local), idle
 
 
 @contextlib.contextmanager
@@ -401,10 +400,13 @@ class EngineLaunch:
             shutil.rmtree(self._warmup_dir, ignore_errors=True)
 
 
-def run(checkpoint: Path, settings: E2ESettings, template: Path = DEFAULT_STORE_CONFIG, log_dir: Path | None = None,
+def run(checkpoint: Path, settings: E2ESettings, template: Path | None = None, log_dir: Path | None = None,
         progress: Callable[[str], None] = lambda s: None,
         engine: EngineLaunch | None = None) -> tuple[SideRun, SideRun]:
-    """Both sides against one vLLM (``engine``, possibly launched earlier; stopped here); returns (stock, ours)."""
+    """Both sides against one vLLM (``engine``, possibly launched earlier; stopped here), ours on
+    ``template`` (default: the shipped default store); returns (stock, ours)."""
+    from kvshrink.configs import store_record
+
     engine = engine or EngineLaunch(checkpoint, settings, log_dir)
     prompts = build_prompts(checkpoint, settings)
     total_tokens = sum(len(p) for p in prompts.by_length.values()) + sum(int(r.token_ids.size) for r in prompts.agent)
@@ -422,8 +424,9 @@ def run(checkpoint: Path, settings: E2ESettings, template: Path = DEFAULT_STORE_
                                    lambda s, n=side.name: progress(f"{n}: {s}"))
             budget = {"l1_size_gb": settings.l1_size_gb, "agent_l1_size_gb": settings.agent_l1_size_gb,
                       "l2_holds_every_chunk": _l2_holds(side, needed)}
+            used = {"store_config": store_record(template)} if side.name == OURS else {}
             results.append(SideRun(side.name, Workload(trace, model, budget), figures_of(records),
-                                   {"records": records, "adapter": side.adapter, "logs": str(engine.log_dir)}))
+                                   {"records": records, "adapter": side.adapter, "logs": str(engine.log_dir), **used}))
     finally:
         engine.stop()
         for side in sides:

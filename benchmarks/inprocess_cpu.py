@@ -25,8 +25,10 @@ from typing import Any
 
 import httpx
 
+from kvshrink.configs import shipped_path
+
 IN_PROCESS_CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lmcache-inprocess-cpu.yaml"
+DEFAULT_CONFIG = shipped_path("lmcache-inprocess-cpu.yaml")  # installed with the package
 
 _LOOKUP = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
 _RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens")

@@ -7,10 +7,15 @@ change is the data: ``lmcache bench l2`` fills each object with one repeated byt
 compressor shrinks to nothing, so here every object holds a real SmolLM2 KV chunk (bf16
 [2, 30, 256, 192]) and every load is checked bit-exact against what was stored.
 
-Tiers: "dram" = stock ``fs`` on ``/dev/shm`` (tmpfs) vs our store's DRAM tier (shm arena);
-"ssd" = stock ``fs`` on a local directory vs our store's SSD tier, both as shipped (ours fsyncs,
-stock does not; SSD reads right after writes come from the page cache on both sides).
-"threads" = concurrent submits (``in_flight``) for both sides, and our adapter's worker threads.
+Ours is always the shipped default store (``configs/store-default.yaml``, or ``--store-config``),
+changed by :func:`kvshrink.configs.derive_store` only in paths, arena name and capacities, which
+pick the tier that serves: "dram" = stock ``fs`` on ``/dev/shm`` (tmpfs) vs our store with room
+for every chunk in its DRAM tier (shm arena); "ssd" = stock ``fs`` on a local directory vs our
+store with a DRAM tier of one chunk, so every store passes through DRAM on to the SSD tier
+(exclusive tiers: the chunk the next store evicts is demoted there, and ``persist_on_close`` moves
+the last one) and loads come from the SSD tier (ours fsyncs, stock does not; SSD reads right after
+writes come from the page cache on both sides). "threads" = concurrent submits (``in_flight``) for
+both sides, and our adapter's worker threads. Our side records the store file it used.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG, ChunkPool
+from kvshrink.benchmarks.capacity_replay import ChunkPool
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest
+from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import CorruptDataError, KVShrinkError
 
 if TYPE_CHECKING:
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 ADAPTER_CLASS = "KVShrinkL2Adapter"
 TIERS = ("dram", "ssd")
+ONE_CHUNK_SLACK = 1 << 20  # a DRAM tier of one chunk + this holds one compressed frame, never two
 
 
 @dataclass(frozen=True)
@@ -48,23 +55,17 @@ def stock_adapter_spec(tier: str, workdir: Path) -> dict[str, Any]:
     return {"type": "fs", "base_path": str(base)}
 
 
-def ours_adapter_spec(tier: str, workdir: Path, threads: int, capacity_bytes: int,
-                      template: Path = DEFAULT_STORE_CONFIG) -> dict[str, Any]:
-    """Our adapter over a one-tier store: the shipped config's tier of that kind."""
-    import yaml
-
-    data = yaml.safe_load(Path(template).read_text())
-    (tier_cfg,) = [dict(t) for t in data["tiers"] if t["kind"] == tier][:1] or [None]
-    if tier_cfg is None:
-        raise KVShrinkError(f"{template} has no {tier} tier to benchmark")
-    tier_cfg.update(capacity=capacity_bytes, put=True)
-    tier_cfg.pop("write_back", None)
-    if tier == "dram":
-        tier_cfg["shm_name"] = f"kvshrink-l2bench-{workdir.name}"
-    else:
-        tier_cfg["path"] = str(workdir / "kvshrink-ssd")
-    engine = {**data.get("engine", {}), "put_workers": threads, "read_workers": max(threads, 1)}
-    store = {"tiers": [tier_cfg], "engine": engine, "promote_on_hit": False}
+def ours_adapter_spec(tier: str, workdir: Path, threads: int, capacity_bytes: int, chunk_bytes: int,
+                      template: Path | None = None) -> dict[str, Any]:
+    """Our adapter (``threads`` workers) over the store config (default: the shipped default) in
+    private paths, sized so that ``tier`` serves: DRAM with room for ``capacity_bytes``, or DRAM of
+    one chunk in front of an SSD tier of ``capacity_bytes``."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+    dram = capacity_bytes if tier == "dram" else chunk_bytes + ONE_CHUNK_SLACK
+    store = derive_store(template, paths={"ssd": workdir / "kvshrink-ssd"},
+                         shm_names={"dram": f"kvshrink-l2bench-{workdir.name}"},
+                         capacities={"dram": dram, "ssd": capacity_bytes})
     return {"type": "plugin", "module_path": ADAPTER_MODULE, "class_name": ADAPTER_CLASS,
             "adapter_params": {"store": store, "workers": threads}}
 
@@ -167,7 +168,7 @@ def _tree_bytes(path: Path) -> int:
 
 
 def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
-             settings: ThroughputSettings, template: Path = DEFAULT_STORE_CONFIG) -> SideRun:
+             settings: ThroughputSettings, template: Path | None = None) -> SideRun:
     workdir = Path(tempfile.mkdtemp(prefix="kvshrink-l2bench-"))
     size = pool[0].numel() * pool[0].element_size()
     stored_bytes = (settings.warmup_rounds + settings.rounds) * threads * settings.keys_per_submit * size
@@ -176,7 +177,7 @@ def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
             spec = stock_adapter_spec(tier, workdir)
         elif side == OURS:
             spec = ours_adapter_spec(tier, workdir, threads, capacity_bytes=2 * stored_bytes + (256 << 20),
-                                     template=template)
+                                     chunk_bytes=size, template=template)
         else:
             raise ValueError(f"unknown side {side!r}")
         figures = measure(spec, pool, threads, settings)
@@ -191,4 +192,8 @@ def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
             (Path("/dev/shm") / f"kvshrink-l2bench-{workdir.name}").unlink()
     workload = Workload(trace=digest("l2-waves", settings.keys_per_submit, settings.rounds, settings.warmup_rounds),
                         model=pool.fingerprint, budget={"tier": tier, "threads": threads})
-    return SideRun(side, workload, figures, {"adapter": spec["type"] if side == STOCK else ADAPTER_CLASS})
+    details: dict[str, Any] = {"adapter": spec["type"]}
+    if side == OURS:
+        details.update(adapter=ADAPTER_CLASS, store=spec["adapter_params"]["store"],
+                       store_config=store_record(template))
+    return SideRun(side, workload, figures, details)

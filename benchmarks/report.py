@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from kvshrink.benchmarks.bench_extra import pyplot
 from kvshrink.benchmarks.comparison import OURS, STOCK, IncomparableError, check_rows
 
 PLOT_FILES = {"hit_rate": "hit_rate_vs_budget.png", "ttft": "ttft_by_context.png", "codec": "ratio_vs_speed.png",
@@ -85,6 +86,9 @@ def terminal_table(report: Mapping[str, Any]) -> str:
         out.append(line(cells))
         previous = cells[0]
     out.append("")
+    store = store_line(report)
+    if store:
+        out.append(f"  {store}")
     out += [f"  [{'PASS' if t['pass'] else 'FAIL'}] {name}: {t['detail']}" for name, t in targets_of(report)]
     out += [f"  note: {n}" for n in notes_of(report)]
     return "\n".join(out)
@@ -102,6 +106,17 @@ def targets_of(report: Mapping[str, Any]) -> Iterable[tuple[str, Mapping[str, An
     for name, section in report["sections"].items():
         for target, result in section.get("targets", {}).items():
             yield f"{name}: {target}", result
+
+
+def store_line(report: Mapping[str, Any]) -> str | None:
+    """Which store file our side ran, from what the sections recorded (None: no section had one)."""
+    recorded = dict.fromkeys((r["path"], r["sha256"], r["default"]) for section in report["sections"].values()
+                             if (r := section.get("store_config")))
+    if not recorded:
+        return None
+    parts = [f"{Path(path).name} (sha256 {sha[:12]}, {'the' if default else 'NOT the'} shipped default)"
+             for path, sha, default in recorded]
+    return "our store config: " + "; ".join(parts)
 
 
 def notes_of(report: Mapping[str, Any]) -> list[str]:
@@ -130,6 +145,9 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
              f"{m.get('loadavg_after', ['?'])[0]} after. Absolute times on a shared CPU machine are indicative; "
              "ratios are the result.", "", "```bash", report.get("command", "kvshrink bench"), "```", "",
              markdown_table(report), ""]
+    store = store_line(report)
+    if store:
+        lines += [store[0].upper() + store[1:] + ".", ""]
     lines += [f"- {'PASS' if t['pass'] else 'FAIL'} — {name}: {t['detail']}" for name, t in targets_of(report)]
     notes = notes_of(report)
     if notes:
@@ -146,9 +164,7 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
 # -- plots ------------------------------------------------------------------------------------------
 def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
     """PNG plots for the sections present; returns {plot key: file name}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    pyplot()  # the bench extra, or an ImportError that says how to install it
     written = {}
     sections = report["sections"]
     for key, section, draw in (("hit_rate", "capacity", _plot_hit_rate), ("ttft", "e2e", _plot_ttft),
@@ -161,7 +177,7 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
 
 
 def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +186,7 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def _plot_hit_rate(figures: Mapping[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sweep = figures["sweep"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -192,7 +208,7 @@ def _plot_hit_rate(figures: Mapping[str, Any], path: Path) -> None:
 
 
 def _plot_ttft(figures: Mapping[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     lengths = figures["lengths"]
@@ -215,7 +231,7 @@ def _plot_ttft(figures: Mapping[str, Any], path: Path) -> None:
 
 
 def _plot_codec(figures: Mapping[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(dict.fromkeys(c["name"] for c in figures["codecs"]))
     tab10 = plt.get_cmap("tab10").colors
@@ -238,7 +254,7 @@ def _plot_codec(figures: Mapping[str, Any], path: Path) -> None:
 
 
 def _plot_throughput(figures: Mapping[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     cases = figures["cases"]

@@ -266,11 +266,9 @@ def check_target(results: list[PolicyResult], min_hit: float = 0.85, max_balance
 
 
 def plot(results: list[PolicyResult], path: str) -> None:
-    import matplotlib
+    from kvshrink.benchmarks.bench_extra import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [r.policy for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     bottom = np.zeros(len(results))

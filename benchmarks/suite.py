@@ -5,6 +5,9 @@ Sections (``--sections``, default all): ``codec`` (ratio and GB/s on real SmolLM
 ``throughput`` (L2 adapter store / load GB/s, DRAM and SSD tiers, 1 and 2 threads), ``e2e``
 (vLLM CPU + SmolLM2 through ``lmcache server``: TTFT cold / warm, multi-turn agent replay).
 
+Our side runs the shipped default store (``configs/store-default.yaml``; ``--store-config`` names
+another file) in every section with a store, each section moving and resizing it only (paths,
+arena names, capacities); each section records the file it ran (path, sha256) as ``store_config``.
 Writes ``report.json`` (every figure), PNG plots, ``table.txt`` and ``README-section.md`` to
 ``--out`` (default ``results/<timestamp>/``). The timed sections run first on a quiet machine; the
 capacity replay (no timings) then runs while e2e's vLLM starts up. Every comparison is checked to come from two sides
@@ -31,8 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sections", default=",".join(SECTION_NAMES),
                         help=f"comma-separated subset of {','.join(SECTION_NAMES)} (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/<timestamp>/)")
+    from kvshrink.configs import default_store_path
+
     parser.add_argument("--store-config", type=Path, default=None,
-                        help="our store YAML to benchmark (default: configs/store-dram-ssd.yaml, the embedded default)")
+                        help=f"our store YAML to benchmark (default: the shipped default store, "
+                             f"{default_store_path()})")
     parser.add_argument("--threads", type=int, default=None, help="the 'all threads' count (default: CPU count)")
     parser.add_argument("--readme-from", metavar="DIR", default=None,
                         help="do not run: print the README section of an earlier run ('latest' = newest in results/)")
@@ -61,10 +67,10 @@ def run_suite(sections: Sequence[str], mode: str, out_dir: Path, store_config: P
     from tqdm import tqdm
 
     from kvshrink.benchmarks import report as render
-    from kvshrink.benchmarks.capacity_replay import DEFAULT_STORE_CONFIG
     from kvshrink.benchmarks.suite_sections import SECTIONS, Context, loadavg, machine
+    from kvshrink.configs import default_store_path
 
-    ctx = Context(mode=mode, out_dir=out_dir, store_template=Path(store_config or DEFAULT_STORE_CONFIG),
+    ctx = Context(mode=mode, out_dir=out_dir, store_template=Path(store_config or default_store_path()),
                   threads=threads or os.cpu_count() or 1, bar=tqdm)
     report: dict[str, Any] = {"kvshrink_bench": 1, "command": command, "mode": mode, "out_dir": str(out_dir),
                               "started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "sections": {},
@@ -123,7 +129,7 @@ def _run_section(name: str, section_fn: Any, ctx: Any, errors: list[dict[str, An
         return {"status": "error", "seconds": time.perf_counter() - started}
     return {"status": "ok", "seconds": time.perf_counter() - started,
             "comparisons": [row.to_dict() for row in section.comparisons], "figures": section.figures,
-            "targets": section.targets, "notes": section.notes}
+            "targets": section.targets, "notes": section.notes, "store_config": section.store_config}
 
 
 def _record_error(errors: list[dict[str, Any]], section: str, exc: BaseException) -> None:

@@ -1,8 +1,8 @@
 """The four sections of ``kvshrink bench``: each measures both sides and returns comparable rows.
 
 A section returns a :class:`Section` (rows made only by ``comparison.compare``, figures for the
-plots, target checks, notes) or raises; the suite turns a raise into a reported error. Sizes per
-mode live in :data:`PRESETS`.
+plots, target checks, notes, and the store file our side ran on) or raises; the suite turns a raise
+into a reported error. Sizes per mode live in :data:`PRESETS`.
 """
 
 from __future__ import annotations
@@ -68,9 +68,19 @@ class Section:
     figures: dict[str, Any] = field(default_factory=dict)
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # kvshrink.configs.store_record of the store file our side ran on, as its runs recorded it;
+    # None for a section without a store (codec)
+    store_config: dict[str, Any] | None = None
 
     def target(self, name: str, passed: bool, detail: str) -> None:
         self.targets[name] = {"pass": bool(passed), "detail": detail}
+
+    def record_store(self, ours_runs: list[SideRun]) -> None:
+        """Keep the store file our runs recorded; they must all have run the same one."""
+        recorded = [run.details["store_config"] for run in ours_runs]
+        if not recorded or any(r != recorded[0] for r in recorded):
+            raise ValueError(f"our runs did not all record one store config: {recorded}")
+        self.store_config = recorded[0]
 
 
 # -- 1. codec ---------------------------------------------------------------------------------------
@@ -84,7 +94,7 @@ def codec(ctx: Context) -> Section:
     samples = codec_bench.load_samples(preset["samples"])
     stock = codec_bench.Contender("stock LMCache (raw bytes)", lambda x: np.array(x, copy=True),
                                   lambda b: np.array(b, copy=True))
-    has_zipnn = importlib.util.find_spec("zipnn") is not None  # a test extra; the suite runs without it
+    has_zipnn = importlib.util.find_spec("zipnn") is not None  # in the bench extra; the suite runs without it
     contenders = [stock] + codec_bench.contenders(ctx.threads, include_zipnn=has_zipnn)
     contenders[1].compress(samples[0][1])  # warm up before timing
     with ctx.bar(total=preset["repeats"] * len(contenders), desc="codec", unit="codec", leave=False) as bar:
@@ -155,6 +165,7 @@ def capacity(ctx: Context) -> Section:
         section.figures["sweep"].append({"budget": vars(budget), "budget_gib": budget.total_gib,
                                          STOCK: stock.figures, OURS: ours.figures,
                                          "details": {STOCK: stock.details, OURS: ours.details}})
+    section.record_store([run for run in runs if run.side == OURS])
     _capacity_targets(section, distinct)
     section.notes.append(f"agent trace: {len(requests)} requests, {distinct} distinct 256-token chunks "
                          f"({working_set_mib / 1024:.2f} GiB of KV); budgets split {preset['dram_share']:.0%} DRAM, "
@@ -193,6 +204,7 @@ def throughput(ctx: Context) -> Section:
     pool = chunk_pool(8)
     cases = [(tier, t) for tier in lt.TIERS for t in preset["threads"]]
     section = Section(figures={"cases": []})
+    ours_runs = []
     with ctx.bar(total=2 * len(cases), desc="L2 throughput", unit="run", leave=False) as bar:
         for tier, threads in cases:
             runs = {}
@@ -205,14 +217,18 @@ def throughput(ctx: Context) -> Section:
             if tier == "ssd":
                 metrics.append(Metric("bytes_per_token_on_disk", "B/token", higher_is_better=False))
             section.comparisons += compare("L2 throughput", case, runs[STOCK], runs[OURS], metrics)
+            ours_runs.append(runs[OURS])
             section.figures["cases"].append({"case": case, STOCK: runs[STOCK].figures, OURS: runs[OURS].figures})
+    section.record_store(ours_runs)
     ssd = [c for c in section.figures["cases"] if c["case"].startswith("ssd")]
     if ssd:
         ratio = ssd[0][OURS]["bytes_per_token_on_disk"] / ssd[0][STOCK]["bytes_per_token_on_disk"]
         section.target("bytes written per cached token <= 1/1.45 of stock", ratio <= 1 / 1.45, f"{ratio:.3f} of stock")
-    section.notes.append("stock = LMCache's fs adapter (on /dev/shm for dram, a local directory for ssd); ours as "
-                         "shipped (SSD tier fsyncs every chunk, stock fs does not); SSD loads follow the stores, so "
-                         "both read from the page cache")
+    section.notes.append("stock = LMCache's fs adapter (on /dev/shm for dram, a local directory for ssd); ours = the "
+                         "store config as shipped, sized so that one tier serves: dram with room for every chunk in "
+                         "DRAM, ssd with a DRAM tier of one chunk, so every store passes through DRAM to the SSD tier "
+                         "and loads come from it (our SSD tier fsyncs every chunk, stock fs does not); SSD loads "
+                         "follow the stores, so both read from the page cache")
     return section
 
 
@@ -234,6 +250,7 @@ def e2e(ctx: Context) -> Section:
     section = Section(figures={"lengths": list(settings.lengths), STOCK: stock.figures, OURS: ours.figures,
                                "records": {STOCK: stock.details["records"], OURS: ours.details["records"]},
                                "output_mismatches": stock.details["output_mismatches"]})
+    section.record_store([ours])
     for n in settings.lengths:
         section.comparisons += compare("e2e TTFT", f"{n} tokens", stock.scoped(f"{n}."), ours.scoped(f"{n}."), [
             Metric("cold_ttft_s", "s", False), Metric("warm_dram_ttft_s", "s", False),

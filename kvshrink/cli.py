@@ -17,7 +17,7 @@ from typing import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "fixture": ("kvshrink.fixtures.cli", "build the SmolLM2 bf16 checkpoint and real-KV samples"),
     "bench": ("kvshrink.benchmarks.suite", "benchmark KVShrink against stock LMCache side by side (codec, capacity, L2, vLLM)"),
-    "serve-cache": ("kvshrink.storage_backends.serve_cache", "run lmcache server with the KVShrink L2 adapter, configured from one YAML file"),
+    "serve-cache": ("kvshrink.storage_backends.serve_cache", "run lmcache server with the KVShrink L2 adapter (default: the shipped default store; --config YAML)"),
     "codec-bench": ("kvshrink.benchmarks.codec_bench", "KV Shrink codec vs zstd, numcodecs, lz4, deflate, ZipNN on real KV"),
     "store-bench": ("kvshrink.benchmarks.store_bench", "benchmark the tiered store: SSD bytes/token, get_many across tiers, 100k-chunk reopen"),
     "index": ("kvshrink.index.cli", "global KV index: serve it (HTTP + ZMQ KV events), or query a running one"),

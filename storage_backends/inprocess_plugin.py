@@ -9,7 +9,7 @@ Select it from an LMCache YAML (``LMCACHE_CONFIG_FILE``)::
     extra_config:
       storage_plugin.kvshrink.module_path: kvshrink.storage_backends.inprocess_plugin
       storage_plugin.kvshrink.class_name: KVShrinkStoragePlugin
-      kvshrink.config: store-dram-ssd.yaml   # relative to this YAML's folder; or kvshrink.store: {tiers: [...]}
+      kvshrink.config: store-default.yaml    # relative to this YAML's folder; or kvshrink.store: {tiers: [...]}
 
 LMCache only logs a plugin whose constructor raises, and goes on without it; so a bad setting is
 logged here at ERROR with the key to fix *and* raised, and ``Created dynamic backend: kvshrink``

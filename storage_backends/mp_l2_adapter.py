@@ -4,7 +4,7 @@ Load it into ``lmcache server``::
 
     --l2-adapter '{"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
                    "class_name": "KVShrinkL2Adapter",
-                   "adapter_params": {"config": "configs/store-dram-ssd.yaml"}}'
+                   "adapter_params": {"config": "configs/store-default.yaml"}}'
 
 (or ``kvshrink serve-cache --config ...``, which builds that line from one YAML file).
 ``adapter_params``: ``config`` (path to a store YAML) or ``store`` (the same mapping inline), and

@@ -1,5 +1,6 @@
-"""``kvshrink serve-cache --config configs/serve-cache-dram-ssd.yaml``: LMCache's multiprocess
-cache server with the KVShrink L2 adapter, configured from one YAML file.
+"""``kvshrink serve-cache [--config FILE]``: LMCache's multiprocess cache server with the KVShrink
+L2 adapter, configured from one YAML file; without ``--config``, every server default below and
+the shipped default store (``kvshrink.configs.default_store_path()``, ``store-default.yaml``).
 
 The file has three sections::
 
@@ -54,19 +55,24 @@ class ServeCacheConfig:
                 "adapter_params": self.adapter_params}
 
 
-def load_serve_config(path: "str | Path", *, check_services: bool = True) -> ServeCacheConfig:
-    """Parse and check a serve-cache YAML; :class:`ConfigError` names the key to fix."""
+def load_serve_config(path: "str | Path | None" = None, *, check_services: bool = True) -> ServeCacheConfig:
+    """Parse and check a serve-cache YAML (None: the defaults, with the shipped default store);
+    :class:`ConfigError` names the key to fix."""
     import yaml
 
+    from kvshrink.configs import default_store_path
     from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config, preflight
 
-    path = Path(path).expanduser()
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError("--config", f"cannot read {path}: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from exc
+    if path is None:  # no file: the server defaults and the shipped default store
+        path, data = default_store_path(), {"store": str(default_store_path())}
+    else:
+        path = Path(path).expanduser()
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path}: {exc.strerror or exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", f"{path} must hold a mapping with server / adapter / store sections")
     _reject_unknown(data, _SECTIONS, "")
@@ -113,7 +119,11 @@ def build_server(config: ServeCacheConfig, log_path: Path | None = None) -> "LMC
 
 # -- the command ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="serve-cache YAML (see configs/serve-cache-*.yaml)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"serve-cache YAML (see configs/serve-cache-*.yaml); default: ports "
+                             f"{ServeCacheConfig.port} / {ServeCacheConfig.http_port}, {ServeCacheConfig.l1_size_gb:g} "
+                             f"GB L1, chunk size {ServeCacheConfig.chunk_size}, and the shipped default store "
+                             "(store-default.yaml)")
     parser.add_argument("--check", action="store_true",
                         help="validate the file and the machine (directories, /dev/shm, Redis), print the "
                              "lmcache server command line, and exit")
@@ -125,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_serve_config(args.config)
     except ConfigError as exc:
-        print(f"kvshrink serve-cache: {args.config}: {exc}", file=sys.stderr)
+        print(f"kvshrink serve-cache: {args.config or 'default configuration'}: {exc}", file=sys.stderr)
         return 2
     server = build_server(config, args.log_file)
     if args.check:

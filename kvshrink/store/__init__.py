@@ -3,7 +3,7 @@
 Usage::
 
     from kvshrink.store import TieredStore
-    with TieredStore.from_config("configs/store-dram-ssd.yaml") as store:
+    with TieredStore.from_config("configs/store-default.yaml") as store:   # kvshrink.configs.default_store_path()
         store.put(key, kv).result()      # True once durable on the put tiers
         chunk = store.get(key)           # bit-exact, or None
 

@@ -95,7 +95,7 @@ def test_wrong_bytes_from_a_backend_are_an_error(requests, pool, tmp_path: Path)
 
 
 def test_a_plugin_lmcache_dropped_is_caught(tmp_path: Path) -> None:
-    store = cr.ours_store_mapping(BUDGET, SETTINGS, tmp_path, cr.DEFAULT_STORE_CONFIG, "dropped")
+    store = cr.ours_store_mapping(BUDGET, SETTINGS, tmp_path, None, "dropped")
     config = cr.ours_engine_config(store, SETTINGS)
     config.extra_config[f"storage_plugin.{cr.PLUGIN_NAME}.module_path"] = "kvshrink.no_such_module"
     with pytest.raises(KVShrinkError, match="did not create"):

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from l2_harness import SHM_DIR, greedy
 
+from kvshrink.configs import derive_store
 from kvshrink.polling import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -28,9 +29,9 @@ WHOLE_CHUNK_TOKENS = 2200 // 256 * 256
 def private_config(tmp_path: Path, shm: str) -> Path:
     data = yaml.safe_load(SHIPPED_YAML.read_text())
     data["max_local_cpu_size"] = 1.0
-    tiers = data["extra_config"]["kvshrink.store"]["tiers"]
-    tiers[0].update(shm_name=shm, capacity="256MiB")
-    tiers[1].update(path=str(tmp_path / "ssd"), capacity="2GiB")
+    del data["extra_config"]["kvshrink.config"]
+    data["extra_config"]["kvshrink.store"] = derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm},
+                                                          capacities={"dram": "256MiB", "ssd": "2GiB"})
     path = tmp_path / "lmcache.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -57,7 +58,8 @@ def test_two_requests_then_a_restart_served_by_our_storage_plugin(model, prompt,
             server.start()
             first = greedy(server, prompt)
             second = greedy(server, prompt)
-            assert wait_for_files(tmp_path / "ssd", WHOLE_CHUNK_TOKENS // 256) == WHOLE_CHUNK_TOKENS // 256
+        # the default store is exclusive: DRAM-only chunks reach the SSD when the engine closes it
+        assert wait_for_files(tmp_path / "ssd", WHOLE_CHUNK_TOKENS // 256) == WHOLE_CHUNK_TOKENS // 256
         log = server.log_path.read_text(errors="replace")
         assert "Created dynamic backend: kvshrink" in log
         activity = LMCacheActivity.from_log(log)

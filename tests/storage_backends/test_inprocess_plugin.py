@@ -24,6 +24,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
+from kvshrink.configs import derive_store
 from kvshrink.errors import ConfigError
 from kvshrink.storage_backends.inprocess_plugin import KVShrinkStoragePlugin
 
@@ -45,9 +46,9 @@ def private_yaml(tmp_path: Path, shm: str, edit=None) -> Path:
     """The shipped in-process YAML with a private shm arena and SSD directory."""
     data = yaml.safe_load(SHIPPED_YAML.read_text())
     data["max_local_cpu_size"] = 0.3
-    tiers = data["extra_config"]["kvshrink.store"]["tiers"]
-    tiers[0]["shm_name"], tiers[0]["capacity"] = shm, "64MiB"
-    tiers[1]["path"], tiers[1]["capacity"] = str(tmp_path / "ssd"), "1GiB"
+    del data["extra_config"]["kvshrink.config"]
+    data["extra_config"]["kvshrink.store"] = derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm},
+                                                          capacities={"dram": "64MiB", "ssd": "1GiB"})
     if edit is not None:
         edit(data)
     path = tmp_path / f"lmcache-{uuid.uuid4().hex[:6]}.yaml"
@@ -113,7 +114,6 @@ def test_store_config_from_a_file_relative_to_the_lmcache_yaml(tmp_path, monkeyp
     store_file.parent.mkdir()
     store_file.write_text(yaml.safe_dump({"tiers": [{"kind": "dram", "capacity": "32MiB", "shm_name": shm}]}))
     data = yaml.safe_load(SHIPPED_YAML.read_text())
-    del data["extra_config"]["kvshrink.store"]
     data["extra_config"]["kvshrink.config"] = "store.yaml"
     data["max_local_cpu_size"] = 0.2
     lmcache_file = tmp_path / "conf" / "lmcache.yaml"
@@ -336,7 +336,7 @@ def test_a_corrupt_chunk_is_a_miss_and_its_buffer_is_returned(managers, tmp_path
     assert plugin.stats()["store"]["tiers"]["ssd"]["quarantined"] == 2
 
 
-@pytest.mark.parametrize("name", ["lmcache-inprocess-dram-ssd.yaml", "lmcache-inprocess-store-file.yaml"])
+@pytest.mark.parametrize("name", ["lmcache-inprocess-dram-ssd.yaml"])
 def test_shipped_lmcache_yamls_select_the_plugin_with_valid_store_settings(name, monkeypatch):
     from kvshrink.storage_backends.plugin_settings import resolve_config_path
     from kvshrink.storage_backends.store_setup import load_store_config

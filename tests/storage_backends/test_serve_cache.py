@@ -1,5 +1,6 @@
-"""``kvshrink serve-cache``: the shipped YAML files, loud errors naming keys, and a real
-``lmcache server`` started with our adapter, reporting it in /status, and stopped by SIGTERM."""
+"""``kvshrink serve-cache``: the default (no ``--config``: the shipped default store), the shipped
+alternative YAML files, loud errors naming keys, and a real ``lmcache server`` started with our
+adapter, reporting it in /status, and stopped by SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from kvshrink.polling import poll_until
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
 from kvshrink.cli import main as kvshrink_main
+from kvshrink.configs import default_store_path, derive_store
 from kvshrink.errors import ConfigError
+from kvshrink.store import StoreConfig
 from kvshrink.storage_backends.mp_l2_adapter import KVShrinkL2AdapterConfig
 from kvshrink.storage_backends.serve_cache import build_server, load_serve_config
 
@@ -30,11 +33,12 @@ SHIPPED = sorted((REPO / "configs").glob("serve-cache-*.yaml"))
 
 
 def private_config(tmp_path: Path, shm: str, edit=None) -> Path:
-    data = yaml.safe_load((REPO / "configs" / "serve-cache-dram-ssd.yaml").read_text())
-    data["server"].update(port=free_port(), http_port=free_port(), l1_size_gb=0.2)
-    tiers = data["store"]["tiers"]
-    tiers[0].update(shm_name=shm, capacity="64MiB")
-    tiers[1].update(path=str(tmp_path / "ssd"), capacity="1GiB")
+    """What serve-cache runs without --config, on free ports, over the default store moved into
+    ``tmp_path`` and ``shm`` (tiers[0] dram, tiers[1] ssd)."""
+    store = derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm},
+                         capacities={"dram": "64MiB", "ssd": "1GiB"})
+    data = {"server": {"port": free_port(), "http_port": free_port(), "l1_size_gb": 0.2}, "adapter": {"workers": 4},
+            "store": store}
     if edit is not None:
         edit(data)
     path = tmp_path / f"serve-{uuid.uuid4().hex[:6]}.yaml"
@@ -52,12 +56,32 @@ def test_shipped_files_give_an_adapter_spec_lmcache_accepts(path):
     assert [t.kind for t in parsed.store_config.tiers] == [t.kind for t in config.store.tiers]
 
 
-def test_shipped_files_cover_dram_ssd_redis_and_qat():
+def test_without_a_file_serve_cache_runs_the_shipped_default_store():
+    config = load_serve_config(None, check_services=False)
+    assert config.adapter_params == {"config": str(default_store_path())}
+    assert config.store == StoreConfig.load(default_store_path())
+    assert [t.kind for t in config.store.tiers] == ["dram", "ssd"]
+    assert (config.port, config.http_port, config.l1_size_gb, config.chunk_size) == (5555, 8080, 2.0, 256)
+
+
+def test_check_without_config_validates_the_default_store_on_this_machine(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    needed = StoreConfig.load(default_store_path()).tiers[0].capacity
+    if shutil.disk_usage(SHM_DIR).free < needed:
+        pytest.skip(f"/dev/shm has less than the default DRAM tier's {needed >> 30} GiB free")
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default SSD tier is ~/.cache/kvshrink/store-ssd
+    assert kvshrink_main(["serve-cache", "--check"]) == 0
+    assert str(default_store_path()) in capsys.readouterr().out
+    assert (tmp_path / ".cache" / "kvshrink" / "store-ssd").is_dir()
+
+
+def test_shipped_alternatives_cover_redis_and_qat():
     kinds = {p.name: [t.kind for t in load_serve_config(p, check_services=False).store.tiers] for p in SHIPPED}
-    assert kinds["serve-cache-dram-ssd.yaml"] == ["dram", "ssd"]
+    assert sorted(kinds) == ["serve-cache-dram-ssd-redis.yaml", "serve-cache-qat.yaml"]  # no second default
     assert kinds["serve-cache-dram-ssd-redis.yaml"] == ["dram", "ssd", "redis"]
     qat = load_serve_config(REPO / "configs" / "serve-cache-qat.yaml", check_services=False)
-    assert [t.method for t in qat.store.tiers if t.compressed] == ["qat"]
+    assert [(t.kind, t.method) for t in qat.store.tiers] == [("dram", "zstd"), ("ssd", "qat")]  # the default's DRAM
 
 
 @pytest.mark.parametrize("edit, key", [
