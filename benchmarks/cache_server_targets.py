@@ -56,7 +56,8 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
-from kvshrink.benchmarks.comparison import OURS, STOCK, Metric, SideRun, Workload, compare, digest, model_fingerprint
+from kvshrink.benchmarks.comparison import (OURS, STOCK, Metric, SideRun, Workload, cache_server_policy, compare, digest,
+                                            model_fingerprint)
 from kvshrink.benchmarks.paired_stats import paired_ratio
 from kvshrink.configs import derive_store, store_record
 from kvshrink.polling import poll_until
@@ -286,7 +287,8 @@ def run_benchmark(short_tokens: int, long_tokens: int, rounds: int, repeats: int
         if not keep_workdir:  # chunk files and logs: hundreds of MB
             shutil.rmtree(workdir, ignore_errors=True)
     results = {side.name: side.figures for side in sides}
-    stock, ours = (SideRun(n, workload, results[n].figures(), asdict(results[n])) for n in (STOCK, OURS))
+    stock, ours = (SideRun(n, workload, results[n].figures(), asdict(results[n]), cache_server_policy(n, l1_size_gb))
+                   for n in (STOCK, OURS))
     rows = compare("cache server", f"{short_tokens}/{long_tokens} tokens", stock, ours, [
         Metric("warm_l1_ttft_s", "s", higher_is_better=False), Metric("warm_l2_ttft_s", "s", higher_is_better=False),
         Metric("cold_long_ttft_s", "s", higher_is_better=False),

@@ -6,7 +6,12 @@ chunk keys from LMCache's ``ChunkedTokenDatabase`` (prefix-chained hashes of 256
 ``batched_get`` per location for the retrieve (the bytes are checked against what was stored),
 ``allocate(busy_loop=False)`` + ``batched_put`` for the chunks that missed, then ``batched_unpin``.
 
-* stock: ``LocalCPUBackend`` (``max_local_cpu_size``) + ``LocalDiskBackend`` (``max_local_disk_size``).
+* stock, at its best: each of its sensible arrangements of the same DRAM + SSD budget runs, and the
+  report compares against the best (:data:`STOCK_VARIANTS`, named in every row):
+  ``l1-all-dram``: ``LocalCPUBackend`` = the DRAM budget + ``LocalDiskBackend`` = the SSD budget
+  (LMCache writes every chunk to both, so its DRAM duplicates its disk); ``staging``: the
+  arrangement ours uses, ``local_cpu: false`` with the same staging pool, and the rest of the DRAM
+  budget given to ``LocalDiskBackend`` on top of the SSD budget (same total bytes, one tier).
 * ours: our in-process storage plugin over the shipped default store (``configs/store-default.yaml``,
   or ``--store-config``) with the same budgets, changed by :func:`kvshrink.configs.derive_store`
   only in paths, arena name, capacities and serial engine lanes. LMCache still needs a
@@ -32,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, trace_fingerprint
+from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest, trace_fingerprint
 from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
 from kvshrink.polling import poll_until
@@ -112,13 +117,44 @@ class ReplayStats:
 
 
 # -- engine configs ---------------------------------------------------------------------------------
-def stock_engine_config(budget: Budget, workdir: Path) -> Any:
+STOCK_L1_ALL_DRAM = "l1-all-dram"
+STOCK_STAGING = "staging"
+STOCK_VARIANTS = (STOCK_L1_ALL_DRAM, STOCK_STAGING)
+
+
+def stock_engine_config(budget: Budget, workdir: Path, variant: str = STOCK_L1_ALL_DRAM,
+                        staging_mib: int = ReplaySettings.staging_mib) -> Any:
+    """Stock LMCache's in-process backends for ``budget`` in one of :data:`STOCK_VARIANTS`."""
     from lmcache.v1.config import LMCacheEngineConfig
 
+    if variant == STOCK_L1_ALL_DRAM:
+        local_cpu, cpu_mib, disk_mib = True, budget.dram_mib, budget.ssd_mib
+    elif variant == STOCK_STAGING:
+        local_cpu, cpu_mib, disk_mib = False, staging_mib, budget.ssd_mib + budget.dram_mib - staging_mib
+    else:
+        raise ValueError(f"unknown stock variant {variant!r}; one of {STOCK_VARIANTS}")
     return LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK_TOKENS, save_unfull_chunk=False, local_cpu=True, max_local_cpu_size=budget.dram_mib / 1024,
-        local_disk=str(workdir / "lmcache-disk"), max_local_disk_size=budget.ssd_mib / 1024,
+        chunk_size=CHUNK_TOKENS, save_unfull_chunk=False, local_cpu=local_cpu, max_local_cpu_size=cpu_mib / 1024,
+        local_disk=str(workdir / "lmcache-disk"), max_local_disk_size=disk_mib / 1024,
         extra_config={"disk_io_threads": 1})  # writes land in submit order: the LRU order is reproducible
+
+
+def stock_policy(variant: str, budget: Budget, settings: ReplaySettings) -> TierPolicy:
+    if variant == STOCK_L1_ALL_DRAM:
+        return TierPolicy(f"stock {STOCK_L1_ALL_DRAM}: LocalCPUBackend {budget.dram_mib} MiB + LocalDiskBackend "
+                          f"{budget.ssd_mib} MiB", "inclusive", float(budget.dram_mib), False)
+    return TierPolicy(f"stock {STOCK_STAGING}: {settings.staging_mib} MiB staging (local_cpu: false) + "
+                      f"LocalDiskBackend {budget.ssd_mib + budget.dram_mib - settings.staging_mib} MiB",
+                      "single", 0.0, False)
+
+
+def ours_policy(settings: ReplaySettings, store: Mapping[str, Any]) -> TierPolicy:
+    from kvshrink.store import StoreConfig
+
+    config = StoreConfig.load(store)
+    exclusive = not any(t.write_back for t in config.tiers)
+    return TierPolicy(f"KVShrink shipped default store + {settings.staging_mib} MiB staging (local_cpu: false)",
+                      "exclusive" if exclusive else "inclusive", 0.0, config.promote_on_hit)
 
 
 def ours_store_mapping(budget: Budget, settings: ReplaySettings, workdir: Path, template: Path | None = None,
@@ -157,6 +193,15 @@ def engine_metadata() -> Any:
 def stock_budget_of(config: Any) -> dict[str, int]:
     """The budget a stock StorageManager was built with, read back from its config."""
     return {"dram_mib": round(config.max_local_cpu_size * 1024), "ssd_mib": round(config.max_local_disk_size * 1024)}
+
+
+def _built_total(built: Mapping[str, int], budget: Budget, side: str) -> int:
+    """The total a side's objects were built with; it must be the budget's, whatever the split."""
+    total = built["dram_mib"] + built["ssd_mib"]
+    if total != budget.dram_mib + budget.ssd_mib:
+        raise KVShrinkError(f"{side} was built with {built} = {total} MiB, not the budget's "
+                            f"{budget.dram_mib + budget.ssd_mib} MiB")
+    return total
 
 
 def ours_budget_of(config: Any) -> dict[str, int]:
@@ -370,19 +415,24 @@ def _backend_stats(manager: Any) -> dict[str, Any]:
 # -- one side, one budget ---------------------------------------------------------------------------
 def run_side(side: str, budget: Budget, requests: Sequence[Any], pool: ChunkPool, settings: ReplaySettings,
              store_template: Path | None = None, progress: Callable[[int], None] = lambda n: None,
-             tag: str = "") -> SideRun:
+             tag: str = "", variant: str = STOCK_L1_ALL_DRAM) -> SideRun:
     """Replay ``requests`` on one side with one budget, in a private scratch directory (ours: on
-    ``store_template``, default the shipped default store)."""
+    ``store_template``, default the shipped default store; stock: in ``variant``).
+
+    The workload's budget is the DRAM / SSD budget given plus the total read back from what was
+    built (equal on both sides, whatever their split); the split each side chose is its policy."""
     workdir = Path(tempfile.mkdtemp(prefix=f"kvshrink-capacity-{'stock' if side == STOCK else 'ours'}-"))
     tag = tag or workdir.name.rsplit("-", 1)[-1]
     try:
         if side == STOCK:
-            config, expect_plugin = stock_engine_config(budget, workdir), False
-            built, used = stock_budget_of(config), {}
+            config, expect_plugin = stock_engine_config(budget, workdir, variant, settings.staging_mib), False
+            built, used = stock_budget_of(config), {"variant": variant}
+            policy = stock_policy(variant, budget, settings)
         elif side == OURS:
             store = ours_store_mapping(budget, settings, workdir, store_template, tag)
             config, expect_plugin = ours_engine_config(store, settings), True
             built, used = ours_budget_of(config), {"store_config": store_record(store_template)}
+            policy = ours_policy(settings, store)
         else:
             raise ValueError(f"unknown side {side!r}")
         keys = request_keys(requests, config)
@@ -392,47 +442,68 @@ def run_side(side: str, budget: Budget, requests: Sequence[Any], pool: ChunkPool
         shutil.rmtree(workdir, ignore_errors=True)
         _unlink_arena(f"kvshrink-bench-{tag}")
     workload = Workload(trace=trace_fingerprint(requests), model=pool.fingerprint,
-                        budget={**built, "store_batch": settings.store_batch, "chunk_tokens": CHUNK_TOKENS})
+                        budget={**asdict(budget), "total_mib_built": _built_total(built, budget, side),
+                                "store_batch": settings.store_batch, "chunk_tokens": CHUNK_TOKENS})
     return SideRun(side, workload, stats.figures(budget, pool.chunk_bytes),
                    {"stats": {k: v for k, v in asdict(stats).items() if k != "backend_stats"},
-                    "backends": stats.backend_stats, "budget": asdict(budget), **used})
+                    "backends": stats.backend_stats, "budget": asdict(budget), "built": built, **used}, policy)
 
 
-def _replay_task(side: str, budget: Budget, requests: Sequence[Any], settings: ReplaySettings,
+def _replay_task(task: "ReplayTask", requests: Sequence[Any], settings: ReplaySettings,
                  store_template: Path | None) -> SideRun:
     """One replay in a worker process (the chunk pool is loaded once per process)."""
     import os
 
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
-    return run_side(side, budget, requests, chunk_pool(settings.pool_chunks), settings, store_template)
+    return run_side(task.side, task.budget, requests, chunk_pool(settings.pool_chunks), settings, store_template,
+                    variant=task.variant)
 
 
-def run_replays(tasks: Sequence[tuple[str, Budget]], requests: Sequence[Any], settings: ReplaySettings,
+@dataclass(frozen=True)
+class ReplayTask:
+    side: str
+    budget: Budget
+    variant: str = STOCK_L1_ALL_DRAM  # stock's arrangement; ignored for ours
+
+
+def tasks_for(budgets: Sequence[Budget]) -> list[ReplayTask]:
+    """Per budget: every stock variant, then ours."""
+    return [ReplayTask(side, budget, variant) for budget in budgets
+            for side, variant in [*((STOCK, v) for v in STOCK_VARIANTS), (OURS, STOCK_L1_ALL_DRAM)]]
+
+
+def best_stock(runs: Sequence[SideRun]) -> SideRun:
+    """Stock at its best: the variant with the highest hit rate (then the most tokens held)."""
+    return max(runs, key=lambda r: (r.figures["chunk_hit_rate"], r.figures["tokens_held"]))
+
+
+def run_replays(tasks: Sequence[ReplayTask], requests: Sequence[Any], settings: ReplaySettings,
                 store_template: Path | None = None, jobs: int = 1,
-                on_done: Callable[[str, Budget], None] = lambda side, budget: None) -> list[SideRun]:
-    """Every (side, budget) replay, ``jobs`` at a time in worker processes; results in task order.
+                on_done: Callable[[ReplayTask], None] = lambda task: None) -> list[SideRun]:
+    """Every replay task, ``jobs`` at a time in worker processes; results in task order.
 
     Replays are independent and deterministic (each waits for its own puts), so running them side
     by side changes how long they take, not what they measure."""
     if jobs <= 1:
         pool = chunk_pool(settings.pool_chunks)
         out = []
-        for side, budget in tasks:
-            out.append(run_side(side, budget, requests, pool, settings, store_template))
-            on_done(side, budget)
+        for task in tasks:
+            out.append(run_side(task.side, task.budget, requests, pool, settings, store_template,
+                                variant=task.variant))
+            on_done(task)
         return out
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     results: dict[int, SideRun] = {}
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as executor:
-        futures = {executor.submit(_replay_task, side, budget, requests, settings, store_template): i
-                   for i, (side, budget) in enumerate(tasks)}
+        futures = {executor.submit(_replay_task, task, requests, settings, store_template): i
+                   for i, task in enumerate(tasks)}
         try:
             for future in as_completed(futures):
                 i = futures[future]
                 results[i] = future.result()  # a failed replay raises here, with its own traceback
-                on_done(*tasks[i])
+                on_done(tasks[i])
         except BaseException:
             for future in futures:
                 future.cancel()

@@ -4,7 +4,8 @@ Every benchmark side (stock LMCache or KVShrink) returns a :class:`SideRun`: the
 measured plus the :class:`Workload` it *actually* consumed — fingerprints of the trace (token ids
 or data bytes), of the model (checkpoint or KV layout) and the budget read back from the objects
 it built. :func:`compare` is the only way to make a :class:`Comparison` and raises
-:class:`IncomparableError` when the two workloads differ, naming what differs; the report checks
+:class:`IncomparableError` when the two workloads differ, naming what differs, or when a side did
+not record its :class:`TierPolicy` (inclusive / exclusive tiers, L1 size, promotion); the report checks
 each row again (:func:`check_rows`) so a hand-edited or merged JSON cannot slip one through.
 """
 
@@ -100,19 +101,57 @@ class Workload:
         return out
 
 
+@dataclass(frozen=True)
+class TierPolicy:
+    """How one side arranged its cache: recorded for every side, shown beside every row.
+
+    Sides may differ here (that is what is compared); what may not happen is a figure whose
+    arrangement nobody wrote down. ``tiers``: ``inclusive`` (every chunk in every tier),
+    ``exclusive`` (a chunk in one tier; budgets add up), ``single`` or ``none`` (no cache);
+    ``l1_mib``: the engine's own hot cache in front (LMCache's L1 / LocalCPUBackend) that holds
+    chunks; ``promotion``: whether a hit below moves or copies the chunk up; ``name``: the
+    configuration's label (for stock: which of its sensible configurations this is)."""
+
+    name: str
+    tiers: str
+    l1_mib: float
+    promotion: bool
+
+    KINDS = ("inclusive", "exclusive", "single", "none")
+
+    def __post_init__(self) -> None:
+        if self.tiers not in self.KINDS:
+            raise IncomparableError(f"tier policy {self.name!r}: tiers must be one of {self.KINDS}, got {self.tiers!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tiers": self.tiers, "l1_mib": self.l1_mib, "promotion": self.promotion}
+
+
+NO_CACHE = TierPolicy("no cache (codec only)", "none", 0.0, False)
+
+
+def cache_server_policy(side: str, l1_size_gb: float) -> TierPolicy:
+    """``lmcache server`` with an L2 adapter: every store goes to L1 and to L2 (inclusive), an L2
+    hit is loaded back into L1. Stock's L2 is LMCache's ``fs`` adapter (raw files); ours the L2
+    adapter over the shipped default store (exclusive DRAM + SSD inside it)."""
+    l2 = "KVShrink L2 adapter, shipped default store" if side == OURS else "LMCache fs L2 adapter (raw files)"
+    return TierPolicy(f"lmcache server: L1 {l1_size_gb:g} GB + {l2}", "inclusive", l1_size_gb * 1024, True)
+
+
 @dataclass
 class SideRun:
-    """One side's figures on one workload."""
+    """One side's figures on one workload, with the tier policy it ran under."""
 
     side: str
     workload: Workload
     figures: dict[str, float]
     details: dict[str, Any] = field(default_factory=dict)
+    policy: TierPolicy | None = None
 
     def scoped(self, prefix: str) -> "SideRun":
-        """The figures named ``prefix...`` (prefix dropped), same side and workload."""
+        """The figures named ``prefix...`` (prefix dropped), same side, workload and policy."""
         return SideRun(self.side, self.workload, {k[len(prefix):]: v for k, v in self.figures.items()
-                                                  if k.startswith(prefix)})
+                                                  if k.startswith(prefix)}, policy=self.policy)
 
 
 @dataclass(frozen=True)
@@ -137,6 +176,8 @@ class Comparison:
     ours: float
     stock_fingerprint: str
     ours_fingerprint: str
+    stock_policy: dict[str, Any] = field(default_factory=dict)
+    ours_policy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -154,6 +195,10 @@ def compare(section: str, case: str, stock: SideRun, ours: SideRun, metrics: Seq
     if stock.side != STOCK or ours.side != OURS:
         raise IncomparableError(f"{section}/{case}: expected sides ({STOCK!r}, {OURS!r}), got "
                                 f"({stock.side!r}, {ours.side!r})")
+    unrecorded = [s.side for s in (stock, ours) if s.policy is None]
+    if unrecorded:
+        raise IncomparableError(f"{section}/{case}: refusing to compare: no tier policy recorded for "
+                                f"{', '.join(unrecorded)}")
     diff = stock.workload.differences(ours.workload)
     if diff:
         raise IncomparableError(f"{section}/{case}: refusing to compare runs on different workloads: "
@@ -165,17 +210,23 @@ def compare(section: str, case: str, stock: SideRun, ours: SideRun, metrics: Seq
             raise IncomparableError(f"{section}/{case}: {metric.name!r} was not measured by {', '.join(missing)}")
         rows.append(Comparison(section, case, metric.name, metric.unit, metric.higher_is_better,
                                float(stock.figures[metric.name]), float(ours.figures[metric.name]),
-                               stock.workload.fingerprint, ours.workload.fingerprint))
+                               stock.workload.fingerprint, ours.workload.fingerprint,
+                               stock.policy.to_dict(), ours.policy.to_dict()))
     return rows
 
 
 def check_rows(rows: Iterable[Mapping[str, Any]]) -> None:
-    """Re-check serialized rows before they are shown: both fingerprints present and equal."""
+    """Re-check serialized rows before they are shown: both fingerprints present and equal, both
+    tier policies recorded."""
     for row in rows:
+        where = f"{row.get('section')}/{row.get('case')}/{row.get('metric')}"
         a, b = row.get("stock_fingerprint"), row.get("ours_fingerprint")
         if not a or a != b:
-            raise IncomparableError(f"{row.get('section')}/{row.get('case')}/{row.get('metric')}: the two sides "
-                                    f"ran different workloads ({a} vs {b}); not reporting it")
+            raise IncomparableError(f"{where}: the two sides ran different workloads ({a} vs {b}); not reporting it")
+        for side in ("stock_policy", "ours_policy"):
+            policy = row.get(side) or {}
+            if not {"name", "tiers", "l1_mib", "promotion"} <= set(policy):
+                raise IncomparableError(f"{where}: {side} is not recorded ({policy!r}); not reporting it")
 
 
 def _json_float(value: float) -> float | str:

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest, model_fingerprint
+from kvshrink.benchmarks.comparison import (OURS, STOCK, SideRun, Workload, cache_server_policy, digest,
+                                            model_fingerprint)
 from kvshrink.errors import KVShrinkError
 from kvshrink.polling import poll_until
 
@@ -76,6 +77,7 @@ class E2ESettings:
     request_timeout_s: float = 300.0
     heartbeat_s: float = 1.0  # vLLM's MP connector pings the cache server this often (LMCache default 10)
     seed: int = 0
+    trace_file: str = ""  # a user's JSONL trace (benchmarks/user_trace.py) replayed instead of the agent trace
 
 
 @dataclass
@@ -110,7 +112,12 @@ def build_prompts(checkpoint: Path, settings: E2ESettings) -> Prompts:
                         concurrency=settings.agent_sessions, system_tokens=settings.agent_system_tokens,
                         tokens_per_turn=settings.agent_tokens_per_turn, output_tokens=settings.max_tokens,
                         first_user_tokens=200, agents=1, seed=settings.seed)
-    agent = [r for r in generate(trace)] if settings.agent_sessions else []
+    if settings.trace_file:
+        from kvshrink.benchmarks.user_trace import load_trace
+
+        agent = load_trace(settings.trace_file, tokenizer=lambda text: tokenizer(text, add_special_tokens=False).input_ids)
+    else:
+        agent = [r for r in generate(trace)] if settings.agent_sessions else []
     return Prompts(by_length=by_length, agent=agent)
 
 
@@ -426,7 +433,8 @@ def run(checkpoint: Path, settings: E2ESettings, template: Path | None = None, l
                       "l2_holds_every_chunk": _l2_holds(side, needed)}
             used = {"store_config": store_record(template)} if side.name == OURS else {}
             results.append(SideRun(side.name, Workload(trace, model, budget), figures_of(records),
-                                   {"records": records, "adapter": side.adapter, "logs": str(engine.log_dir), **used}))
+                                   {"records": records, "adapter": side.adapter, "logs": str(engine.log_dir), **used},
+                                   cache_server_policy(side.name, settings.l1_size_gb)))
     finally:
         engine.stop()
         for side in sides:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from kvshrink.benchmarks.capacity_replay import ChunkPool
-from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, Workload, digest
+from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest
 from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import CorruptDataError, KVShrinkError
 
@@ -196,4 +196,6 @@ def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
     if side == OURS:
         details.update(adapter=ADAPTER_CLASS, store=spec["adapter_params"]["store"],
                        store_config=store_record(template))
-    return SideRun(side, workload, figures, details)
+    policy = (TierPolicy("KVShrink L2 adapter, shipped default store", "exclusive", 0.0, False) if side == OURS
+              else TierPolicy("LMCache fs L2 adapter (raw files)", "single", 0.0, False))
+    return SideRun(side, workload, figures, details, policy)

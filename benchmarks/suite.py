@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"our store YAML to benchmark (default: the shipped default store, "
                              f"{default_store_path()})")
     parser.add_argument("--threads", type=int, default=None, help="the 'all threads' count (default: CPU count)")
+    parser.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                        help="replay your own JSONL trace (one request a line: arrival_s, session_id, token_ids or "
+                             "text, max_tokens; see benchmarks/user_trace.py) in the capacity and e2e sections "
+                             "instead of the built-in agent trace")
     parser.add_argument("--readme-from", metavar="DIR", default=None,
                         help="do not run: print the README section of an earlier run ('latest' = newest in results/)")
     parser.add_argument("--image-prefix", default="",
@@ -54,15 +58,24 @@ def run(args: argparse.Namespace) -> int:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     sections = _parse_sections(args.sections)
+    if args.trace is not None:  # a malformed trace fails here, with its line number, before anything runs
+        from kvshrink.benchmarks.user_trace import TraceError, load_trace
+
+        try:
+            load_trace(args.trace)
+        except TraceError as exc:
+            print(f"kvshrink bench: {exc}", file=sys.stderr)
+            return 2
     out_dir = Path(args.out or Path("results") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     command = "kvshrink bench " + " ".join(_argv_tail())
-    report = run_suite(sections, "quick" if args.quick else "full", out_dir, args.store_config, args.threads, command)
+    report = run_suite(sections, "quick" if args.quick else "full", out_dir, args.store_config, args.threads, command,
+                       trace=args.trace)
     return 0 if report["status"] == "ok" else 1
 
 
 def run_suite(sections: Sequence[str], mode: str, out_dir: Path, store_config: Path | None = None,
-              threads: int | None = None, command: str = "kvshrink bench") -> dict[str, Any]:
+              threads: int | None = None, command: str = "kvshrink bench", trace: Path | None = None) -> dict[str, Any]:
     """Run ``sections``; write and print the report; return it. Never raises for a failing section."""
     from tqdm import tqdm
 
@@ -71,7 +84,7 @@ def run_suite(sections: Sequence[str], mode: str, out_dir: Path, store_config: P
     from kvshrink.configs import default_store_path
 
     ctx = Context(mode=mode, out_dir=out_dir, store_template=Path(store_config or default_store_path()),
-                  threads=threads or os.cpu_count() or 1, bar=tqdm)
+                  threads=threads or os.cpu_count() or 1, bar=tqdm, trace=Path(trace).resolve() if trace else None)
     report: dict[str, Any] = {"kvshrink_bench": 1, "command": command, "mode": mode, "out_dir": str(out_dir),
                               "started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "sections": {},
                               "errors": [], "plots": {}}

@@ -64,9 +64,34 @@ def test_both_sides_compare_on_the_same_workload(stock_run, ours_run) -> None:
     assert stock_run.details["backends"].keys() == {"LocalCPUBackend", "LocalDiskBackend"}
     rows = compare("capacity", "tiny", stock_run, ours_run, METRICS)
     assert rows[0].stock_fingerprint == rows[0].ours_fingerprint
-    assert stock_run.workload.budget == ours_run.workload.budget == {**vars(BUDGET), "store_batch": 8,
-                                                                      "chunk_tokens": 256}
+    assert stock_run.workload.budget == ours_run.workload.budget == {**vars(BUDGET), "total_mib_built": 128,
+                                                                      "store_batch": 8, "chunk_tokens": 256}
+    assert stock_run.policy.tiers == "inclusive" and stock_run.policy.l1_mib == BUDGET.dram_mib
+    assert ours_run.policy.tiers == "exclusive" and rows[0].ours_policy["name"].startswith("KVShrink")
     assert ours_run.figures["ideal_hit_rate"] == stock_run.figures["ideal_hit_rate"]
+
+
+def test_stock_runs_each_sensible_arrangement_and_the_best_is_compared(stock_run, requests, pool) -> None:
+    """The staging arrangement gives stock's whole budget but the staging pool to its disk tier
+    (one copy of each chunk instead of two); which arrangement holds more depends on the budget
+    (here the 64 MiB pool is half the DRAM budget), so both run and the better one is compared."""
+    staging = cr.run_side(STOCK, BUDGET, requests, pool, SETTINGS, variant=cr.STOCK_STAGING)
+    assert staging.details["built"] == {"dram_mib": SETTINGS.staging_mib,
+                                        "ssd_mib": BUDGET.ssd_mib + BUDGET.dram_mib - SETTINGS.staging_mib}
+    assert staging.workload == stock_run.workload  # same budget, same trace: comparable
+    assert staging.policy.tiers == "single" and staging.policy.l1_mib == 0
+    assert staging.figures["tokens_held"] != stock_run.figures["tokens_held"]
+    best = cr.best_stock([stock_run, staging])
+    assert best.figures["chunk_hit_rate"] == max(stock_run.figures["chunk_hit_rate"], staging.figures["chunk_hit_rate"])
+    assert [(t.side, t.variant) for t in cr.tasks_for([BUDGET])] == [
+        (STOCK, cr.STOCK_L1_ALL_DRAM), (STOCK, cr.STOCK_STAGING), (OURS, cr.STOCK_L1_ALL_DRAM)]
+
+
+def test_a_side_without_a_recorded_tier_policy_is_refused(stock_run, ours_run) -> None:
+    import dataclasses
+
+    with pytest.raises(IncomparableError, match="no tier policy recorded for KVShrink"):
+        compare("capacity", "tiny", stock_run, dataclasses.replace(ours_run, policy=None), METRICS)
 
 
 def test_other_budget_or_trace_is_refused(stock_run, requests, pool) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvshrink.benchmarks.comparison import (OURS, STOCK, IncomparableError, Metric, SideRun, Workload, check_rows,
-                                            compare)
+from kvshrink.benchmarks.comparison import (OURS, STOCK, IncomparableError, Metric, SideRun, TierPolicy, Workload,
+                                            check_rows, compare)
 
 WORKLOAD = Workload(trace="10req-aaaa", model="kv-bbbb", budget={"dram_mib": 256, "ssd_mib": 768})
 METRICS = [Metric("hit_rate", "fraction"), Metric("ttft_s", "s", higher_is_better=False)]
 
 
-def side(name: str, workload: Workload = WORKLOAD, **figures: float) -> SideRun:
-    return SideRun(name, workload, figures or {"hit_rate": 0.5, "ttft_s": 2.0})
+POLICY = TierPolicy("test arrangement", "exclusive", 0.0, False)
+
+
+def side(name: str, workload: Workload = WORKLOAD, policy: TierPolicy | None = POLICY, **figures: float) -> SideRun:
+    return SideRun(name, workload, figures or {"hit_rate": 0.5, "ttft_s": 2.0}, policy=policy)
 
 
 def test_same_workload_compares_and_keeps_both_fingerprints() -> None:
@@ -51,6 +54,17 @@ def test_serialized_rows_are_checked_again() -> None:
         check_rows([row, tampered])
     with pytest.raises(IncomparableError):
         check_rows([{**row, "stock_fingerprint": None, "ours_fingerprint": None}])
+
+
+def test_a_side_without_a_tier_policy_is_refused_and_rows_keep_both_policies() -> None:
+    with pytest.raises(IncomparableError, match="no tier policy recorded for stock LMCache"):
+        compare("capacity", "1 GiB", side(STOCK, policy=None), side(OURS), METRICS)
+    (row,) = [r.to_dict() for r in compare("c", "x", side(STOCK), side(OURS), METRICS[:1])]
+    assert row["stock_policy"] == row["ours_policy"] == POLICY.to_dict()
+    with pytest.raises(IncomparableError, match="stock_policy is not recorded"):
+        check_rows([{**row, "stock_policy": {}}])
+    with pytest.raises(IncomparableError, match="tiers must be one of"):
+        TierPolicy("x", "mostly", 0.0, False)
 
 
 def test_ratio_of_zero_stock_is_explicit() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from kvshrink.benchmarks import report
-from kvshrink.benchmarks.comparison import OURS, STOCK, IncomparableError, Metric, SideRun, Workload, compare
+from kvshrink.benchmarks.comparison import NO_CACHE, OURS, STOCK, IncomparableError, Metric, SideRun, Workload, compare
 from kvshrink.cli import main
 
 
@@ -51,8 +51,8 @@ def _report(rows: list[dict]) -> dict:
 
 
 def _rows(stock_budget: dict, ours_budget: dict) -> list[dict]:
-    stock = SideRun(STOCK, Workload("t", "m", stock_budget), {"chunk_hit_rate": 0.6})
-    ours = SideRun(OURS, Workload("t", "m", ours_budget), {"chunk_hit_rate": 0.84})
+    stock = SideRun(STOCK, Workload("t", "m", stock_budget), {"chunk_hit_rate": 0.6}, policy=NO_CACHE)
+    ours = SideRun(OURS, Workload("t", "m", ours_budget), {"chunk_hit_rate": 0.84}, policy=NO_CACHE)
     return [r.to_dict() for r in compare("capacity", "0.5 GiB", stock, ours, [Metric("chunk_hit_rate", "fraction")])]
 
 

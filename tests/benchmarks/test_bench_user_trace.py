@@ -91,3 +91,28 @@ def test_a_small_valid_trace_replays_like_the_same_built_in_trace(tmp_path: Path
         again = cr.run_side(side, budget, built_in, pool, settings)
         assert ran.workload == again.workload
         assert ran.figures["chunk_hit_rate"] == again.figures["chunk_hit_rate"] > 0
+
+
+def test_kvshrink_bench_trace_refuses_a_malformed_file_before_running(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = _write(tmp_path, GOOD, {**GOOD, "token_ids": "1 2 3"})
+    done = subprocess.run([sys.executable, "-m", "kvshrink.cli", "bench", "--trace", str(path), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "trace.jsonl:2: token_ids must be a non-empty list of integers" in done.stderr
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_the_suite_sections_take_the_users_trace_instead_of_the_generator(tmp_path: Path) -> None:
+    from kvshrink.benchmarks.suite_sections import PRESETS, Context
+
+    path = _write(tmp_path, GOOD, {**GOOD, "arrival_s": 3.0, "token_ids": [1, 2, 3, 4]})
+    ctx = Context(mode="quick", out_dir=tmp_path, store_template=tmp_path, threads=1, bar=None, trace=path)
+    requests, figures = ctx.requests(PRESETS["quick"]["capacity"]["trace"])
+    assert [r.token_ids.tolist() for r in requests] == [[1, 2, 3], [1, 2, 3, 4]]
+    assert figures["file"] == str(path) and figures["requests"] == 2
+    built_in, _ = Context(mode="quick", out_dir=tmp_path, store_template=tmp_path, threads=1, bar=None).requests(
+        PRESETS["quick"]["capacity"]["trace"])
+    assert len(built_in) > 2
