@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import httpx
 
+from kvshrink.errors import KVShrinkError
 from kvshrink.polling import poll_until
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 
-class ServerStartError(RuntimeError):
-    """A server exited or did not become ready; the message carries the tail of its log."""
+class ServerStartError(KVShrinkError, RuntimeError):
+    """A server exited or did not become ready; the message carries the tail of its log. Also a
+    RuntimeError, as it was before it joined the family."""
 
 
 def free_port() -> int:

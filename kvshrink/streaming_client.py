@@ -1,6 +1,8 @@
 """Measure a request the way a user sees it: OpenAI API, streaming, TTFT = first streamed token.
 
-Used by the end-to-end tests and the benchmarks, so both measure the same thing.
+Used by the end-to-end tests and the benchmarks, so both measure the same thing. Errors: a
+non-200 answer or a stream without a token is a :class:`StreamedCompletionError`; transport
+errors are httpx's own.
 """
 
 from __future__ import annotations
@@ -10,6 +12,13 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from kvshrink.errors import KVShrinkError
+
+
+class StreamedCompletionError(KVShrinkError, RuntimeError):
+    """The server answered with an error status or streamed no token. Also a RuntimeError, as
+    it was before it was named."""
 
 
 @dataclass
@@ -40,7 +49,7 @@ def stream_completion(base_url: str, model: str, prompt: str | list[int], *, max
         start = time.perf_counter()
         with client.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as response:
             if response.status_code != 200:
-                raise RuntimeError(f"{base_url} answered {response.status_code}: {response.read().decode(errors='replace')}")
+                raise StreamedCompletionError(f"{base_url} answered {response.status_code}: {response.read().decode(errors='replace')}")
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -56,5 +65,5 @@ def stream_completion(base_url: str, model: str, prompt: str | list[int], *, max
         if own_client:
             client.close()
     if ttft is None:
-        raise RuntimeError(f"{base_url} streamed no token")
+        raise StreamedCompletionError(f"{base_url} streamed no token")
     return StreamedCompletion(text="".join(pieces), ttft_s=ttft, total_s=total, chunks=len(pieces), usage=usage)

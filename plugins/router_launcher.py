@@ -31,6 +31,10 @@ import inspect
 import os
 import sys
 
+# kvshrink.errors imports nothing but the standard library, so it is safe in the router's own
+# environment (this module already runs as kvshrink.plugins.router_launcher there).
+from kvshrink.errors import KVShrinkError
+
 INSTALL_HINT = """production-stack's router (the Python package `vllm_router`) is not installed in this environment.
 It is not on PyPI and needs Python >= 3.12:
   python3.12 -m venv ~/router-venv && . ~/router-venv/bin/activate
@@ -40,8 +44,9 @@ It is not on PyPI and needs Python >= 3.12:
 then run this command from that environment (python -m kvshrink.plugins.router_launcher ...)."""
 
 
-class RouterShapeError(RuntimeError):
-    """The installed vllm_router does not route the way this launcher relies on."""
+class RouterShapeError(KVShrinkError, RuntimeError):
+    """The installed vllm_router does not route the way this launcher relies on (also a
+    RuntimeError, as it was before it joined the family)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -115,7 +115,7 @@ def _check_shm_room(tiers: "list[TierConfig]", key: str) -> None:
     """An arena reserves all its pages when the store opens it, so a /dev/shm too small fails
     there; say so here first, creating nothing: the DRAM tiers so far must fit in the free space
     plus what their existing arena files already hold (an arena reopens in place)."""
-    from kvshrink.store.arena import describe_size
+    from kvshrink.store.shm_file import describe_size
     from kvshrink.store.dram import arena_path
 
     path = arena_path(tiers[-1])

@@ -14,6 +14,8 @@ fires. This module gives that shape to any adapter:
 
 Thread safety: every public method may be called from any thread. Ownership: the runner owns
 the fds and closes them in :meth:`L2TaskRunner.close`; results posted after close are dropped.
+Errors: :class:`ChannelClosedError` from a submit after close, :class:`TaskChannelError` when the
+three eventfds are not distinct; both are RuntimeErrors too, as they were before they were named.
 """
 
 from __future__ import annotations
@@ -25,9 +27,19 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Generic, TypeVar
 
+from kvshrink.errors import KVShrinkError
+
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+
+class TaskChannelError(KVShrinkError, RuntimeError):
+    """The task runner cannot be used: its channels are unusable or it is closed."""
+
+
+class ChannelClosedError(TaskChannelError):
+    """A task was submitted after :meth:`L2TaskRunner.close`."""
 
 
 def when_all_done(futures: "list[Future[Any]]") -> "Future[list[Future[Any]]]":
@@ -110,7 +122,7 @@ class L2TaskRunner:
         self.load: CompletionChannel[Any] = CompletionChannel(f"{name}.load")
         fds = {self.store.fileno(), self.lookup.fileno(), self.load.fileno()}
         if len(fds) != 3:  # LMCache routes poll events by fd; a shared fd would misroute them
-            raise RuntimeError(f"{name}: event fds are not distinct: {fds}")
+            raise TaskChannelError(f"{name}: event fds are not distinct: {fds}")
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
@@ -128,7 +140,7 @@ class L2TaskRunner:
         completes, without holding a worker thread.
         """
         if self._closed:
-            raise RuntimeError(f"{self.name}: submit after close")
+            raise ChannelClosedError(f"{self.name}: submit after close")
         with self._id_lock:
             task_id = next(self._ids)
         with self._in_flight_lock:

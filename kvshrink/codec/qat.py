@@ -27,6 +27,8 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+from kvshrink.errors import KVShrinkError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -45,8 +47,9 @@ _local = threading.local()
 _sessions: list[ctypes.Array] = []
 
 
-class QatUnavailable(RuntimeError):
-    """libqatzip could not compress this stream; the caller falls back to software deflate."""
+class QatUnavailable(KVShrinkError, RuntimeError):
+    """libqatzip could not compress this stream; the caller falls back to software deflate. Also a
+    RuntimeError, as it was before it joined the family."""
 
 
 def library() -> ctypes.CDLL | None:

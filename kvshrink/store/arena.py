@@ -20,7 +20,8 @@ resizes a live arena; the kernel drops the lock when the owner dies), then *rese
 with ``posix_fallocate``: a tmpfs too small for the arena is a
 :class:`~kvshrink.errors.StoreUnavailableError` at open naming the path, the size asked and the
 free space — never a SIGBUS on the first store to a page tmpfs cannot back. A file the failed
-open created is removed again. A reader refuses a file with holes for the same reason.
+open created is removed again. A reader refuses a file with holes for the same reason. (The
+lock, the reservation and the holes check live in :mod:`kvshrink.store.shm_file`.)
 
 Recovery (``scan``) trusts no header: one is *sound* when its magic, state, size (aligned, inside
 the file) and CRC check out, and a WRITING / COMMITTED one also has a 1..MAX_KEY_BYTES key, a
@@ -43,7 +44,6 @@ Not thread-safe on its own: :class:`~kvshrink.store.dram.DramTier` serialises mu
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import mmap
 import os
@@ -56,6 +56,7 @@ from typing import Iterator
 import numpy as np
 
 from kvshrink.errors import CorruptDataError, StoreUnavailableError
+from kvshrink.store.shm_file import open_owner, open_reader, reserve
 from kvshrink.store.tier import MAX_KEY_BYTES
 
 SUPERBLOCK = 4096
@@ -80,11 +81,6 @@ def _round_up(n: int, align: int = ALIGN) -> int:
 def block_size_for(key_len: int, frame_len: int) -> int:
     """Bytes a block needs to hold a key and a frame of these lengths."""
     return HEADER_SIZE + _round_up(key_len) + _round_up(frame_len)
-
-
-def describe_size(n: int) -> str:
-    """``67108864 bytes (64.0 MiB)``: exact for logs, readable for people."""
-    return f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
 @dataclass
@@ -117,7 +113,7 @@ class Arena:
         self._pending_damage: list[int] = []
         created, existing, fresh = False, 0, False
         if readonly:
-            self._fd = _open_reader(path)
+            self._fd = open_reader(path)
             size = os.fstat(self._fd).st_size
         size -= size % ALIGN  # every block is ALIGN-sized; so is the arena
         if size < SUPERBLOCK + MIN_BLOCK:
@@ -125,7 +121,7 @@ class Arena:
                 os.close(self._fd)
             raise CorruptDataError(f"arena {path}: {size} bytes is too small to hold one block")
         if not readonly:
-            self._fd, created = _open_owner(path)
+            self._fd, created = open_owner(path)
         try:
             if not readonly:
                 existing, fresh = self._prepare_file(size)
@@ -162,7 +158,7 @@ class Arena:
         if existing > size:
             os.ftruncate(self._fd, size)
         try:
-            _reserve(self._fd, self.path, size)
+            reserve(self._fd, self.path, size)
         except StoreUnavailableError:
             if 0 < existing < size:  # as it was: its chunks may still be wanted
                 os.ftruncate(self._fd, existing)
@@ -422,48 +418,3 @@ class Arena:
         del self.free_by_end[start + size]
         return size
 
-
-# -- the file -------------------------------------------------------------------------------------
-def _open_owner(path: Path) -> tuple[int, bool]:
-    """Open (creating when absent) and lock for writing, before anything touches the file.
-    Returns (fd, whether this call created the file)."""
-    try:
-        fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
-    except FileExistsError:
-        fd, created = os.open(path, os.O_RDWR), False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        os.close(fd)
-        raise StoreUnavailableError(f"arena {path} is owned by another live process; "
-                                    "attach with readonly=True") from exc
-    return fd, created
-
-
-def _open_reader(path: Path) -> int:
-    """Open read-only; refuse a file with holes (no owner reserved it): reading a hole of a
-    full tmpfs through the mapping would SIGBUS."""
-    fd = os.open(path, os.O_RDONLY)
-    st = os.fstat(fd)
-    if st.st_blocks * 512 < st.st_size:
-        os.close(fd)
-        raise StoreUnavailableError(f"arena {path} is not fully allocated ({describe_size(st.st_blocks * 512)} "
-                                    f"of {describe_size(st.st_size)}); open it for writing first")
-    return fd
-
-
-def _reserve(fd: int, path: Path, size: int) -> None:
-    """Make the file ``size`` bytes with every page allocated (a no-op when it already is)."""
-    st = os.fstat(fd)
-    if st.st_size == size and st.st_blocks * 512 >= size:
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        vfs = os.statvfs(path.parent)
-        held = os.fstat(fd).st_blocks * 512
-        raise StoreUnavailableError(
-            f"arena {path}: cannot reserve {describe_size(size)} in {path.parent} ({exc.strerror}): "
-            f"{describe_size(vfs.f_bavail * vfs.f_frsize)} free there"
-            + (f", {describe_size(held)} already held by the file" if held else "")
-            + f"; lower the tier's capacity or enlarge {path.parent}") from exc
