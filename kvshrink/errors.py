@@ -25,3 +25,8 @@ class ConfigError(KVShrinkError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"config key {key!r}: {message}")
         self.key = key
+
+
+class InvalidKeyError(KVShrinkError, TypeError, ValueError):
+    """A store key is not bytes, or is empty or too long: a caller bug, raised by the call itself
+    (never through a Future). Both a TypeError and a ValueError, as the two checks were before."""

@@ -2,7 +2,9 @@
 
 Every value is checked once, here, so that tiers can trust what they get; a wrong value raises
 :class:`~kvshrink.errors.ConfigError` naming the exact key (``tiers[1].capacity``). Unknown keys
-are errors too: a typo must not silently fall back to a default.
+are errors too: a typo must not silently fall back to a default. Checks that belong to another
+module are asked of it, not copied: a tier's ``level`` goes through the codec's own range check
+for its ``method``, a Redis ``url`` through redis-py's URL parser.
 """
 
 from __future__ import annotations
@@ -163,8 +165,8 @@ def _parse_tier(data: Any, index: int) -> TierConfig:
     out["eviction"] = eviction
     if "method" in values:
         out["method"] = _compressing_method(values["method"], f"{prefix}.method")
-    if "level" in values:
-        out["level"] = _int(values["level"], f"{prefix}.level", minimum=-7)
+    method = out.get("method", TierConfig.method)
+    out["level"] = _level(values.get("level", TierConfig.level), method, f"{prefix}.level")
     if index == 0 and out.get("write_back"):
         raise ConfigError(f"{prefix}.write_back", "the first tier cannot be a write-back target; use put: true")
     _parse_kind_specific(kind, values, out, prefix)
@@ -185,7 +187,7 @@ def _parse_kind_specific(kind: str, values: Mapping[str, Any], out: dict[str, An
         url = str(values.get("url") or "")
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"{prefix}.url", f"expected a redis:// or rediss:// URL, got {url!r}")
-        out["url"] = url
+        out["url"] = _redis_url(url, f"{prefix}.url")
         for key in ("ttl_s", "timeout_s"):
             if key in values:
                 out[key] = _float(values[key], f"{prefix}.{key}")
@@ -204,6 +206,41 @@ def _compressing_method(value: Any, key: str) -> str:
     if value not in choices:
         raise ConfigError(key, f"expected one of {choices}, got {value!r}")
     return str(value)
+
+
+def _level(value: Any, method: str, key: str) -> int:
+    """A level the codec accepts for ``method``; the codec owns the ranges (zstd 1..22, deflate
+    1..9), so a level that would fail every put fails here instead."""
+    from kvshrink.codec.backends import validate_level
+
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    try:
+        return validate_level(method, value)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
+def _redis_url(url: str, key: str) -> str:
+    """``url`` if redis-py can build a connection from it (parsed as ``Redis.from_url`` will);
+    the message names what is wrong but never echoes the URL, which may hold a password."""
+    import inspect
+
+    from redis.connection import Connection, parse_url
+
+    try:
+        options = parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(key, f"not a valid Redis URL: {exc}") from None
+    connection_class = options.pop("connection_class", Connection)
+    accepted: set[str] = set()
+    for cls in connection_class.__mro__:
+        if "__init__" in cls.__dict__:
+            accepted |= set(inspect.signature(cls.__dict__["__init__"]).parameters)
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ConfigError(key, f"unknown connection option(s) {unknown} in the URL's query string")
+    return url
 
 
 def _parse_engine(data: Any) -> EngineConfig:

@@ -8,12 +8,15 @@ full work queue rejects the descriptor instead of stalling. The same shape here:
 * :class:`Lane` — a worker pool behind a non-blocking bounded semaphore. ``try_submit`` either
   queues the job or returns None at once; the caller counts the drop. Nothing ever waits for room.
 
-The engine knows nothing about tiers or codecs: :class:`~kvshrink.store.tiered.TieredStore` gives
-it jobs (compress + write, write-back, demotion, promotion, parallel reads).
+The engine knows nothing about tiers: :class:`~kvshrink.store.tiered.TieredStore` gives it jobs
+(compress + write, write-back, demotion, promotion, parallel reads). Of the codec it knows only
+which chunks it accepts: :meth:`CopyEngine.stage` checks a chunk against the codec's dtype allow
+list before copying it, so a chunk the workers could not encode is refused by ``put`` itself.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -132,8 +135,14 @@ class CopyEngine:
         self.counters = Counters(ENGINE_COUNTERS)
 
     def stage(self, kv: Any) -> tuple[Any, np.ndarray] | None:
-        """Copy ``kv`` into a staging buffer; return (a staged twin of kv, the buffer) or None."""
-        nbytes = _nbytes(kv)
+        """Copy ``kv`` into a staging buffer; return (a staged twin of kv, the buffer) or None
+        when the budget is spent. ``kv`` is only read; the caller owns the buffer until it hands
+        it back with ``staging.release``. A chunk that is not a numpy array or a torch tensor the
+        codec can encode (object or string dtypes, quantized, sparse, nested or meta tensors,
+        Python lists) raises :class:`~kvshrink.codec.UnsupportedArrayError` (a TypeError in the
+        KVShrinkError family) naming what is wrong, before anything is copied. Zero-size and
+        non-contiguous chunks are fine. Thread-safe."""
+        nbytes = chunk_nbytes(kv)
         buf = self.staging.acquire(nbytes)
         if buf is None:
             return None
@@ -155,12 +164,28 @@ class CopyEngine:
         self.readers.shutdown(wait=True)
 
 
-def _nbytes(kv: Any) -> int:
-    if hasattr(kv, "element_size"):  # torch.Tensor
-        return kv.numel() * kv.element_size()
+def chunk_nbytes(kv: Any) -> int:
+    """Bytes of a chunk ``put`` accepts; UnsupportedArrayError naming what is wrong otherwise."""
+    from kvshrink.codec import UnsupportedArrayError  # the codec's own allow list, loaded on first use
+    from kvshrink.codec.dtypes import NUMPY, TORCH, dtype_width
+
     if isinstance(kv, np.ndarray):
+        if dtype_width(NUMPY, kv.dtype.str) is None:
+            raise UnsupportedArrayError(f"a KV chunk cannot have numpy dtype {kv.dtype}: use bool, ints, "
+                                        "floats or complex (the codec stores fixed-width numbers only)")
         return kv.nbytes
-    raise TypeError(f"a KV chunk is a numpy array or a torch tensor, got {type(kv).__name__}")
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    if torch is None or not isinstance(kv, torch.Tensor):
+        raise UnsupportedArrayError(f"a KV chunk is a numpy array or a torch tensor, got {type(kv).__name__}")
+    if dtype_width(TORCH, str(kv.dtype).removeprefix("torch.")) is None:
+        raise UnsupportedArrayError(f"a KV chunk cannot have torch dtype {kv.dtype} (quantized or sub-byte): "
+                                    "dequantize it or pass its raw bits as uint8")
+    if kv.is_nested or kv.layout != torch.strided:
+        layout = "nested" if kv.is_nested else str(kv.layout)
+        raise UnsupportedArrayError(f"a KV chunk must be a dense (strided) tensor, got layout {layout}")
+    if kv.device.type == "meta":
+        raise UnsupportedArrayError("a KV chunk on the meta device has no data to store")
+    return kv.numel() * kv.element_size()
 
 
 def _copy_into(kv: Any, buf: np.ndarray) -> Any:
@@ -171,6 +196,8 @@ def _copy_into(kv: Any, buf: np.ndarray) -> Any:
         return staged
     import torch
 
+    if kv.numel() == 0:  # torch refuses dtype views of an empty buffer; there is nothing to copy
+        return torch.empty(kv.shape, dtype=kv.dtype)
     staged = torch.from_numpy(buf).view(kv.dtype).view(kv.shape)
     staged.copy_(kv.detach())
     return staged

@@ -16,7 +16,7 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-from kvshrink.errors import StoreUnavailableError
+from kvshrink.errors import ConfigError, StoreUnavailableError
 from kvshrink.store.config import TierConfig
 from kvshrink.store.tier import Buffer, KeepVictims, Tier, Victim
 
@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def connect(config: TierConfig) -> Any:
-    """A redis-py client for ``config.url`` with timeouts and a bounded, backed-off retry."""
+    """A redis-py client for ``config.url`` with timeouts and a bounded, backed-off retry; a URL
+    redis-py cannot parse raises :class:`~kvshrink.errors.ConfigError` (config.py checks it at
+    load, this covers a TierConfig built by hand)."""
     import redis
     from redis.backoff import ExponentialWithJitterBackoff
     from redis.retry import Retry
@@ -34,11 +36,14 @@ def connect(config: TierConfig) -> Any:
         "socket_connect_timeout": config.timeout_s,
         "retry": Retry(ExponentialWithJitterBackoff(cap=config.timeout_s, base=0.01), config.retries),
     }
-    if config.cluster:
-        from redis.cluster import RedisCluster
+    try:
+        if config.cluster:
+            from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(config.url, **options)
-    return redis.Redis.from_url(config.url, **options)
+            return RedisCluster.from_url(config.url, **options)
+        return redis.Redis.from_url(config.url, **options)
+    except ValueError as exc:  # urllib / parse_url: a malformed URL (never echoed: it may hold a password)
+        raise ConfigError(f"{config.name}.url", f"not a valid Redis URL: {exc}") from exc
 
 
 class RedisTier(Tier):

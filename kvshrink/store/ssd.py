@@ -2,8 +2,8 @@
 
 Layout under ``path``::
 
-    LOCK               flock held by the one process that owns the directory
-    CLEAN              present only between a clean close and the next open
+    LOCK               flock'ed by the owner too, and holds its pid (see below)
+    CLEAN              present only between a clean close and the next open (see below)
     index.log          see ssd_index.py
     chunks/ab/<40 hex>.kvc   blake2b(key) names: no caller byte ever reaches a path
     tmp/               writes in progress (deleted at open: torn writes never become chunks)
@@ -13,6 +13,29 @@ A chunk file is ``KVSC | version | key_len | key | codec frame``. Writes go to `
 fsync'ed, then renamed into place (and the directory fsync'ed), so a reader sees the old file or
 the new one, never a torn one. Reads check the stored key and the frame checksum; a mismatch
 moves the file to ``quarantine/`` and is a miss.
+
+**One owner.** The owning process holds an exclusive ``flock`` on the directory itself (an
+``O_RDONLY`` descriptor of ``path``) and one on ``LOCK``, so a second process (or a second tier in
+this one) is refused with :class:`~kvshrink.errors.StoreUnavailableError` while the owner lives;
+the kernel drops both when the owner dies, even by SIGKILL. A lock on a file alone would not do:
+deleting ``LOCK`` by hand leaves the owner locking a nameless file, and a second process would
+lock the new ``LOCK`` it creates and corrupt the directory alongside the first. The directory's
+lock cannot be deleted from under a live owner, so deleting ``LOCK`` by hand changes nothing
+(the next owner creates it again); removing or renaming the whole directory does, but then the
+owner's files go with it. Where the file system cannot flock a directory (NFS emulates flock with
+POSIX locks, which need a file open for writing) the tier says so in the log and relies on
+``LOCK`` alone, which then must not be deleted while the tier runs.
+
+**Clean close.** ``CLEAN`` records what the index and the chunk directories looked like at close:
+the index's fingerprint (length and CRCs, ssd_index.py), its entry count and bytes, and the
+modification times of ``chunks/`` and its sub-directories. At open the index is trusted, and the
+file scan skipped, only when all of these still agree; otherwise (no marker: a crash; an index
+deleted, replaced by an older copy, truncated or corrupted; chunk files added or removed by hand;
+an index append that failed during the last run) :meth:`SsdTier.reconcile` runs in the background:
+it adopts every intact chunk file the index does not name and drops entries whose file is gone;
+until it is done, a chunk it has not reached yet is a miss. Checking costs a few hundred ``stat``
+calls, not a listing of the chunks; the price is that a file changed by hand within one tick of
+the file system's timestamps after the close can go unnoticed (a damaged index never does).
 """
 
 from __future__ import annotations
@@ -20,11 +43,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import itertools
+import json
 import logging
 import os
 import struct
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -43,6 +68,9 @@ FILE_MAGIC = b"KVSC"
 FILE_VERSION = 1
 SUFFIX = ".kvc"
 CLEAN_MARKER = "CLEAN"
+CLEAN_FORMAT = 1
+LOCK_FILE = "LOCK"
+NOT_CLOSED = "the last owner did not close cleanly"
 
 
 def chunk_name(key: bytes) -> str:
@@ -75,33 +103,78 @@ class SsdTier(Tier):
         try:
             for folder in (self.chunks_dir, self.tmp_dir, self.quarantine_dir):
                 folder.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise StoreUnavailableError(f"tier {self.name}: cannot use directory {self.root}: {exc}") from exc
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            os.close(self._lock_fd)
-            raise StoreUnavailableError(f"tier {self.name}: {self.root} is owned by another live process") from exc
+        self._lock_fds = self._own_directory()
         self._lock = threading.Lock()
         self._tls = threading.local()
         self._tmp_ids = itertools.count()
         self._reserved = 0  # bytes of writes in flight, counted against capacity
+        self._index_incomplete = False  # an index update failed: the next open must rescan
+        self._scanning = 0  # reconcile() calls running: files may exist that the index lacks
+        try:
+            self._load_index()
+        except BaseException as exc:
+            self._release_directory()
+            if isinstance(exc, OSError):
+                raise StoreUnavailableError(f"tier {self.name}: cannot open the index in {self.root}: {exc}") from exc
+            raise
+        # after a crash or a damaged index, chunk files the index does not name are adopted in the
+        # background; when the index is the one a clean close left, the scan is skipped
+        self._reconciler = threading.Thread(target=self._reconcile_quietly, name=f"kvshrink-{self.name}-reconcile",
+                                            daemon=True)
+        if not self.clean_start:
+            self._reconciler.start()
+
+    def _load_index(self) -> None:
+        """Replay the index into the LRU and decide whether to trust it (``clean_start``)."""
         self._clear_tmp()
         self._index = IndexLog(self.root / "index.log")
         if self._index.damaged:
             log.warning("tier %s: index %s is damaged; rebuilding it from the chunk files", self.name,
                         self._index.path)
-        self._lru = LruIndex(config.eviction)
+        self._lru = LruIndex(self.config.eviction)
         self._lru.load(self._index.recovered)
         del self._index.recovered
-        self.clean_start = self._take_clean_marker() and not self._index.damaged
-        # after a crash, files renamed into place whose index record was lost are adopted in the
-        # background; after a clean close the index is complete and the scan is skipped
-        self._reconciler = threading.Thread(target=self._reconcile_quietly, name=f"kvshrink-{self.name}-reconcile",
-                                            daemon=True)
-        if not self.clean_start:
-            self._reconciler.start()
+        disagreement = self._check_clean_marker()
+        self.clean_start = disagreement is None
+        if disagreement is not None:
+            log.log(logging.INFO if disagreement == NOT_CLOSED else logging.WARNING,
+                    "tier %s: %s; rescanning %s in the background", self.name, disagreement, self.chunks_dir)
+
+    def _own_directory(self) -> list[int]:
+        """Descriptors holding exclusive flocks on the directory itself and on ``LOCK`` (see the
+        module docstring); StoreUnavailableError if another live process owns either."""
+        held: list[int] = []
+        try:
+            held.append(os.open(self.root, os.O_RDONLY | os.O_DIRECTORY))
+            try:
+                self._flock(held[-1])
+            except BlockingIOError:
+                raise
+            except OSError as exc:  # NFS emulates flock by POSIX locks, which need a writable file
+                os.close(held.pop())
+                log.warning("tier %s: cannot flock the directory %s (%s); relying on the LOCK file alone, "
+                            "which must then not be deleted while the tier runs", self.name, self.root, exc)
+            held.append(os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600))
+            self._flock(held[-1])
+            os.ftruncate(held[-1], 0)
+            os.pwrite(held[-1], f"{os.getpid()}\n".encode(), 0)
+        except BlockingIOError as exc:
+            for fd in held:
+                os.close(fd)
+            owner = _read_note(self.root / LOCK_FILE)
+            raise StoreUnavailableError(f"tier {self.name}: {self.root} is owned by another live process"
+                                        f"{f' (pid {owner})' if owner else ''}") from exc
+        except OSError as exc:
+            for fd in held:
+                os.close(fd)
+            raise StoreUnavailableError(f"tier {self.name}: cannot lock directory {self.root}: {exc}") from exc
+        return held
+
+    @staticmethod
+    def _flock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def path_for(self, key: bytes) -> Path:
         name = chunk_name(key)
@@ -162,7 +235,8 @@ class SsdTier(Tier):
             os.close(fd)
             fd = -1
             final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
+            with self._lock:  # so quarantine's "is it still the file I read" check cannot race it
+                os.replace(tmp, final)
             if self._fsync:
                 _fsync_dir(final.parent)
         except BaseException:
@@ -181,7 +255,6 @@ class SsdTier(Tier):
         victims: list[tuple[bytes, Path | None]] = []
         for victim in chosen:
             self._lru.pop(victim)
-            self._append_index(DELETE, victim, 0)
             path = self.path_for(victim)
             held = self.tmp_dir / f"{path.stem}.{next(self._tmp_ids)}.evicted" if wants_frame(keep_victims, victim) else None
             try:
@@ -191,6 +264,9 @@ class SsdTier(Tier):
                     path.unlink()
             except FileNotFoundError:
                 held = None
+            # file first, record second: a crash between them leaves a record naming a missing
+            # file (dropped at the next read), never a file whose DELETE is on record (adopted again)
+            self._append_index(DELETE, victim, 0)
             self.counters.add("evictions")
             victims.append((victim, held))
         return victims
@@ -214,6 +290,7 @@ class SsdTier(Tier):
                 self._compact_locked()
         except OSError as exc:
             self.counters.add("errors")
+            self._index_incomplete = True
             log.warning("tier %s: index update failed (%s); reconcile will repair it", self.name, exc)
 
     def _compact_locked(self) -> None:
@@ -287,12 +364,20 @@ class SsdTier(Tier):
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def delete(self, key: bytes) -> bool:
+        """Remove ``key``; during a rescan also a file not adopted yet, which must not be adopted
+        after its key was deleted (the store deletes older copies when a key is overwritten)."""
         with self._lock:
-            if self._lru.pop(key) is None:
+            known = self._lru.pop(key) is not None
+            if not known and not self._scanning:
                 return False
-            self._append_index(DELETE, key, 0)
-            self.path_for(key).unlink(missing_ok=True)
-            return True
+            try:
+                self.path_for(key).unlink()  # before the record: see _make_room_locked
+                removed = True
+            except FileNotFoundError:
+                removed = False
+            if known:
+                self._append_index(DELETE, key, 0)
+            return known or removed
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -310,10 +395,21 @@ class SsdTier(Tier):
         return {"path": str(self.root), "quarantine_files": sum(1 for _ in self.quarantine_dir.iterdir())}
 
     def reconcile(self) -> int:
-        """Adopt complete chunk files the index does not name (lost index tail) and forget index
-        entries whose file is gone; return how many entries changed. Reads file headers only."""
+        """Adopt complete chunk files the index does not name (a lost index tail, a damaged or
+        stale index) and forget index entries whose file is gone; return how many entries
+        changed. Reads file headers only: a damaged body is found, and quarantined, when read.
+        Safe beside reads and writes: each file is adopted or quarantined under the tier lock,
+        only if it is still the file whose header was read and its key is still unknown."""
         with self._lock:
             by_name = {chunk_name(k): k for k in self._lru.keys()}
+            self._scanning += 1
+        try:
+            return self._reconcile(by_name)
+        finally:
+            with self._lock:
+                self._scanning -= 1
+
+    def _reconcile(self, by_name: dict[str, bytes]) -> int:
         changed = 0
         on_disk: set[str] = set()
         for sub in os.scandir(self.chunks_dir):
@@ -334,18 +430,29 @@ class SsdTier(Tier):
         return changed
 
     def _adopt(self, path: Path) -> int:
-        with open(path, "rb") as f:
-            key = parse_prefix(f.read(FILE_HEADER.size + 2048))
-        if key is None or self.path_for(key) != path:
-            os.replace(path, self.quarantine_dir / f"{path.stem}.{time.time_ns()}{SUFFIX}")
-            self.counters.add("quarantined")
+        """Index the chunk file ``path`` (1), or quarantine it if its header is not ours or names
+        another key (0); 0 if a write, delete or eviction got to it first."""
+        try:
+            with open(path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                key = parse_prefix(f.read(FILE_HEADER.size + 2048))
+        except FileNotFoundError:
             return 0
         with self._lock:
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                return 0
+            if stat.st_ino != inode:
+                return 0  # replaced by a fresh write since we read it
+            if key is None or self.path_for(key) != path:
+                os.replace(path, self.quarantine_dir / f"{path.stem}.{time.time_ns()}{SUFFIX}")
+                self.counters.add("quarantined")
+                return 0
             if key in self._lru:
                 return 0
-            size = path.stat().st_size
-            self._lru.add(key, size)
-            self._append_index(PUT, key, size)
+            self._lru.add(key, stat.st_size)
+            self._append_index(PUT, key, stat.st_size)
         return 1
 
     def _reconcile_quietly(self) -> None:
@@ -358,7 +465,7 @@ class SsdTier(Tier):
             log.info("tier %s: reconcile repaired %d index entries", self.name, adopted)
 
     def close(self) -> None:
-        if self._lock_fd < 0:
+        if not self._lock_fds:
             return  # closed already
         if self._reconciler.is_alive():
             self._reconciler.join()
@@ -367,23 +474,68 @@ class SsdTier(Tier):
                 if self._index.records:  # the next open reads one snapshot, no records
                     self._compact_locked()
                 self._index.sync()
-                (self.root / CLEAN_MARKER).touch()  # the index is complete: no scan at next open
+                if not self._index_incomplete:  # else the next open rescans, as after a crash
+                    self._write_clean_marker()
             except OSError as exc:
                 log.warning("tier %s: index not compacted at close: %s", self.name, exc)
             self._index.close()
-        os.close(self._lock_fd)
-        self._lock_fd = -1
+        self._release_directory()
 
-    def _take_clean_marker(self) -> bool:
-        """Whether the last owner closed cleanly; the marker is removed (durably) so that a crash
-        of this process is seen as one by the next."""
+    def _release_directory(self) -> None:
+        for fd in self._lock_fds:
+            os.close(fd)  # the flocks go with the descriptors
+        self._lock_fds = []
+
+    def _clean_state(self) -> dict[str, Any]:
+        """What a clean close leaves and the next open compares (see the module docstring)."""
+        return {"format": CLEAN_FORMAT, "index": self._index.fingerprint(), "entries": len(self._lru),
+                "bytes": self._lru.total, "chunk_dirs": self._chunk_dirs_fingerprint()}
+
+    def _chunk_dirs_fingerprint(self) -> str:
+        """CRC of the names and mtimes of ``chunks/`` and its sub-directories: adding, removing or
+        renaming a chunk file changes its directory's mtime. ~256 stat calls, no listing of chunks."""
+        parts = [f"{os.stat(self.chunks_dir).st_mtime_ns}"]
+        for entry in sorted(os.scandir(self.chunks_dir), key=lambda e: e.name):
+            parts.append(f"{entry.name}={entry.stat(follow_symlinks=False).st_mtime_ns}")
+        return f"{len(parts)}:{zlib.crc32(';'.join(parts).encode()):08x}"
+
+    def _write_clean_marker(self) -> None:
+        """Written (and fsync'ed) last: a marker cut short by a crash fails to parse: a rescan."""
+        fd = os.open(self.root / CLEAN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, json.dumps(self._clean_state()).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _check_clean_marker(self) -> str | None:
+        """None when the last owner closed cleanly and the index and chunk directories are as it
+        left them; else what disagrees. The marker is removed (durably) so that a crash of this
+        process is seen as one by the next."""
         marker = self.root / CLEAN_MARKER
         try:
+            text = marker.read_bytes()
             marker.unlink()
         except FileNotFoundError:
-            return False
+            return NOT_CLOSED
+        except OSError as exc:
+            return f"cannot read the clean-close marker {marker}: {exc}"
         _fsync_dir(self.root)
-        return True
+        if self._index.damaged:
+            return "index.log is damaged"
+        if self._index.torn_bytes:
+            return f"index.log had {self._index.torn_bytes} bytes past its last intact record"
+        try:
+            recorded = json.loads(text)
+        except ValueError:
+            return "the clean-close marker is unreadable"
+        if not isinstance(recorded, dict):
+            return "the clean-close marker is unreadable"
+        current = self._clean_state()
+        for what, value in current.items():
+            if recorded.get(what) != value:
+                return f"the index does not match the last clean close: {what} is {value!r}, was {recorded.get(what)!r}"
+        return None
 
     def _clear_tmp(self) -> None:
         for entry in os.scandir(self.tmp_dir):
@@ -395,6 +547,14 @@ def _write_all(fd: int, data: Buffer) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _read_note(path: Path) -> str:
+    """The first line of a small text file, '' if it cannot be read."""
+    try:
+        return path.read_text(errors="replace").strip()[:32]
+    except OSError:
+        return ""
 
 
 def _fsync_dir(path: Path) -> None:

@@ -10,10 +10,16 @@ few MB can, if most of it parses in bulk. So the file is
   ``crc32 u32 | op u8 | key_len u32 | size u64 | key``. A torn tail (process killed mid-append)
   fails its CRC and is truncated away at open.
 
-A record is appended only *after* its chunk file was renamed into place, so the index never names
-a file that was not complete; the opposite gap (file renamed, record lost) is closed by
+A PUT record is appended only *after* its chunk file was renamed into place, so the index never
+names a file that was not complete, and a DELETE record only after the file is gone, so a rescan
+never brings a deleted chunk back; the opposite gap (file renamed, record lost) is closed by
 :meth:`~kvshrink.store.ssd.SsdTier.reconcile`. Compaction runs when the records after the snapshot
 reach a quarter of the live chunks, which bounds the record-by-record part of a replay.
+
+:meth:`IndexLog.fingerprint` names the file's exact content (length, the snapshot's CRC, a running
+CRC of the records) at no extra read: the tier's clean-close marker records it, so an index that
+was deleted, replaced by an older copy, truncated or corrupted while the tier was closed is told
+apart from the one the tier closed with, and the chunk files are rescanned instead of trusted.
 """
 
 from __future__ import annotations
@@ -68,10 +74,17 @@ def read_snapshot(data: bytes) -> tuple[dict[bytes, int], int] | None:
 def replay(data: bytes) -> tuple[dict[bytes, int], int, int]:
     """Replay a whole index file: (live key -> size in write order, bytes of the valid prefix,
     records after the snapshot). A damaged snapshot yields nothing (reconcile rebuilds)."""
+    live, valid, records, _ = _replay(data)
+    return live, valid, records
+
+
+def _replay(data: bytes) -> tuple[dict[bytes, int], int, int, int]:
+    """:func:`replay`, plus where the snapshot ends (0: no snapshot)."""
     snapshot = read_snapshot(data)
     if snapshot is None:
-        return {}, 0, 0
+        return {}, 0, 0, 0
     live, offset = snapshot
+    snapshot_end = offset
     records, end = 0, len(data)
     unpack, crc32, head = RECORD.unpack_from, zlib.crc32, RECORD.size
     while offset + head <= end:
@@ -85,7 +98,7 @@ def replay(data: bytes) -> tuple[dict[bytes, int], int, int]:
             live[key] = size
         records += 1
         offset = stop
-    return live, offset, records
+    return live, offset, records, snapshot_end
 
 
 class IndexLog:
@@ -94,12 +107,21 @@ class IndexLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         data = path.read_bytes() if path.exists() else b""
-        self.recovered, valid, self.records = replay(data)
+        self.recovered, valid, self.records, snapshot_end = _replay(data)
         self.damaged = bool(data) and valid == 0 and not self.recovered  # nothing usable in a non-empty file
+        self.torn_bytes = len(data) - valid  # cut away below: a crash mid-append, or damage
+        # the snapshot's CRC is in its header (read_snapshot checked it); the records are few
+        self._snapshot_crc = SNAPSHOT.unpack_from(data, 0)[4] if snapshot_end else 0
+        self._records_crc = zlib.crc32(memoryview(data)[snapshot_end:valid])
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         if valid != len(data):
             os.ftruncate(self._fd, valid)
         self._end = valid
+
+    def fingerprint(self) -> str:
+        """``length:snapshot crc:records crc`` of the file as this handle left it: a file that
+        was cut, extended, replaced or altered since has another one (up to CRC collisions)."""
+        return f"{self._end}:{self._snapshot_crc:08x}:{self._records_crc:08x}"
 
     def append(self, op: int, key: bytes, size: int) -> None:
         """Append one record; on failure (disk full) cut the log back so no torn record stays."""
@@ -112,6 +134,7 @@ class IndexLog:
             os.ftruncate(self._fd, self._end)
             raise
         self._end += len(record)
+        self._records_crc = zlib.crc32(record, self._records_crc)
         self.records += 1
 
     def should_compact(self, live: int) -> bool:
@@ -130,6 +153,7 @@ class IndexLog:
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY, 0o600)
         self._end = len(data)
+        self._snapshot_crc, self._records_crc = SNAPSHOT.unpack_from(data, 0)[4], 0
         self.records = 0
 
     def sync(self) -> None:

@@ -6,6 +6,8 @@ carries dtype, shape and a checksum, so a tier needs no side metadata and every 
 Contract, shared by all tiers and pinned by ``tests/store/tier_contract.py``:
 
 * **Keys** are ``bytes`` of 1..:data:`MAX_KEY_BYTES`; they never become paths or commands verbatim.
+  :func:`check_key` enforces it with :class:`~kvshrink.errors.InvalidKeyError`; tiers trust
+  their callers (the store) to have called it.
 * **Buffers**: ``write_frame`` copies what it keeps before it returns; the caller keeps ownership
   of ``frame``. ``get(key, out)`` writes only into ``out`` (or a fresh array) and returns it; the
   content of ``out`` is unspecified after a miss.
@@ -27,7 +29,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
-from kvshrink.errors import StoreUnavailableError
+from kvshrink.errors import InvalidKeyError, StoreUnavailableError
 from kvshrink.store.config import TierConfig
 from kvshrink.store.stats import TIER_COUNTERS, Counters
 
@@ -54,12 +56,13 @@ class TierFullError(StoreUnavailableError):
 
 
 def check_key(key: object) -> bytes:
-    """Validate an opaque key; raise TypeError/ValueError (caller bugs) with a clear message."""
+    """The key as ``bytes``; :class:`~kvshrink.errors.InvalidKeyError` (a TypeError and a
+    ValueError) naming what is wrong for a caller bug: not bytes-like, empty, or too long."""
     if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise TypeError(f"store keys are bytes, got {type(key).__name__}")
+        raise InvalidKeyError(f"store keys are bytes, got {type(key).__name__}")
     key = bytes(key)
     if not 0 < len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"store keys hold 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        raise InvalidKeyError(f"store keys hold 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
     return key
 
 

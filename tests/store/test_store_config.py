@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvshrink.errors import ConfigError
@@ -77,3 +78,91 @@ def test_bad_yaml_file(tmp_path):
         StoreConfig.load(path)
     with pytest.raises(ConfigError, match="cannot read"):
         StoreConfig.load(tmp_path / "missing.yaml")
+
+
+# -- values another module owns: codec levels, Redis URLs -------------------------------------------
+def _ssd(tmp_path, **changes):
+    return {"tiers": [{"kind": "ssd", "capacity": "64MiB", "path": str(tmp_path / "ssd"), **changes}]}
+
+
+@pytest.mark.parametrize(("method", "level"), [("zstd", 100), ("zstd", 0), ("zstd", -7), ("zstd", 23),
+                                               ("qat", 0), ("qat", 12), ("qat", 10), ("zstd", True), ("zstd", "3")])
+def test_a_level_the_codec_refuses_is_a_config_error(tmp_path, method, level):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.load(_ssd(tmp_path, method=method, level=level))
+    assert info.value.key == "tiers[0].level"
+    if not isinstance(level, (bool, str)):
+        assert ("1..22" if method == "zstd" else "1..9") in str(info.value)
+
+
+def test_a_level_without_a_method_is_checked_against_the_default_method(tmp_path):
+    with pytest.raises(ConfigError, match="zstd level must be in 1..22, got 40"):
+        StoreConfig.load(_ssd(tmp_path, level=40))
+    assert StoreConfig.load(_ssd(tmp_path, level=12)).tiers[0].level == 12  # fine for zstd, not for qat
+    with pytest.raises(ConfigError, match="qat level must be in 1..9, got 12"):
+        StoreConfig.load(_ssd(tmp_path, level=12, method="qat"))
+
+
+def test_config_accepts_exactly_the_levels_the_codec_encodes_with(tmp_path):
+    """Not a copy of the ranges: for every level near them, loading succeeds iff encode does."""
+    from kvshrink.codec import encode
+
+    chunk = np.arange(256, dtype=np.uint16)
+    for method in ("zstd", "qat"):
+        for level in range(-2, 25):
+            try:
+                encode(chunk, method=method, level=level)
+                encodes = True
+            except ConfigError:
+                encodes = False
+            try:
+                StoreConfig.load(_ssd(tmp_path, method=method, level=level))
+                loads = True
+            except ConfigError:
+                loads = False
+            assert loads == encodes, (method, level)
+
+
+@pytest.mark.parametrize(("method", "level"), [("zstd", 19), ("qat", 9), ("qat", 1)])
+def test_accepted_levels_really_store(tmp_path, small_chunks, method, level):
+    from kvshrink.store.tiered import TieredStore
+
+    with TieredStore.from_config(_ssd(tmp_path, method=method, level=level, fsync=False)) as store:
+        assert store.put(b"k", small_chunks[0]).result(timeout=60) is True
+        assert np.array_equal(store.get(b"k"), small_chunks[0])
+
+
+def _with_redis(url):
+    return {"tiers": [{"kind": "dram", "capacity": "64MiB"}, {"kind": "ssd", "capacity": "1GiB", "path": "/tmp/x"},
+                      {"kind": "redis", "url": url}]}
+
+
+@pytest.mark.parametrize("url", ["redis://[::1/0", "redis://user:s3cret@[::1/0", "redis://host:port/0",
+                                 "redis://host:99999", "redis://host?socket_timeout=soon", "redis://host?colour=blue"])
+def test_a_bad_redis_url_is_a_config_error_naming_the_key(url):
+    from kvshrink.store.tiered import TieredStore
+
+    for load in (StoreConfig.load, TieredStore.from_config):
+        with pytest.raises(ConfigError) as info:
+            load(_with_redis(url))
+        assert info.value.key == "tiers[2].url"
+        assert "s3cret" not in str(info.value)  # a password in the URL never reaches a log
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://u:p@cache.example:6380/2",
+                                 "unix:///run/redis.sock", "unix:///run/redis.sock?db=3", "redis://[::1]:6379/1",
+                                 "redis://h?client_name=kv&health_check_interval=5"])
+def test_good_redis_urls_load(url):
+    assert StoreConfig.load(_with_redis(url)).tiers[2].url == url
+
+
+def test_a_url_with_connection_options_reaches_a_real_redis(redis_url, shm_name, small_chunks):
+    from kvshrink.store.tiered import TieredStore
+
+    url = f"{redis_url}?client_name=kvshrink-config-test"
+    config = {"tiers": [{"kind": "redis", "url": url, "namespace": shm_name, "put": True}]}
+    with TieredStore.from_config(config) as store:
+        assert store.put(b"k", small_chunks[0]).result(timeout=30) is True
+        assert np.array_equal(store.get(b"k"), small_chunks[0])
+        names = [c["name"] for c in store.tiers[0]._client.client_list()]
+        assert "kvshrink-config-test" in names
