@@ -51,7 +51,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable
 
 import numpy as np
 
@@ -96,8 +96,19 @@ class Block:
         return self.offset + HEADER_SIZE + _round_up(len(self.key))
 
 
+@dataclass
+class Room:
+    """What :meth:`Arena.room_for` found: whether room can be made, the blocks to free for it
+    (in the order given; empty when a hole fits already), and the largest hole it saw (the one
+    used when ``fits``; otherwise the largest that freeing every candidate would make)."""
+
+    fits: bool
+    blocks: list[Block]
+    largest: int
+
+
 class Arena:
-    """The mapping plus a first-fit allocator over its free blocks.
+    """The mapping plus a best-fit allocator over its free blocks.
 
     Errors at open: :class:`StoreUnavailableError` (owned by another live process, no room to
     reserve the pages, a reader finding holes), :class:`CorruptDataError` (too small for a block).
@@ -309,16 +320,22 @@ class Arena:
         self._write_header(start, WRITING, need, frame_len, seq, key)
         return Block(start, need, frame_len, seq, key)
 
-    def frees_needed(self, key_len: int, frame_len: int, candidates: Iterator[Block]) -> list[Block]:
-        """Which of ``candidates`` (in order) must be freed before ``allocate`` can succeed:
-        a dry run of :meth:`free` with its merges, touching nothing."""
+    def room_for(self, key_len: int, frame_len: int, candidates: Iterable[Block],
+                 cheap: bytes | None = None) -> Room:
+        """Which of ``candidates`` to free so that :meth:`allocate` succeeds: a dry run of
+        :meth:`free` with its merges, touching nothing. Candidates are taken in order until one
+        hole would be large enough; of those, only the ones in the cheapest run of neighbouring
+        blocks inside that hole that is large enough are kept (fewest blocks, then not the block
+        of key ``cheap``, then the lowest offset), so that leaving out any kept block would
+        leave no hole large enough. Consumes ``candidates`` up to that point (all of them when
+        no room can be made)."""
         need = block_size_for(key_len, frame_len)
         by_start, by_end = dict(self.free_by_start), dict(self.free_by_end)
+        largest = max(by_start.values(), default=0)
+        if largest >= need:
+            return Room(True, [], largest)
         chosen: list[Block] = []
-        while not any(size >= need for size in by_start.values()):
-            block = next(candidates, None)
-            if block is None:
-                break
+        for block in candidates:
             chosen.append(block)
             start, size = block.offset, block.size
             if start + size in by_start:
@@ -330,7 +347,28 @@ class Arena:
                 start = prev
             by_start[start] = size
             by_end[start + size] = start
-        return chosen
+            if size >= need:  # the only hole that fits: the one this block just joined
+                return Room(True, self._cheapest_run(start, start + size, need, chosen, cheap), size)
+            largest = max(largest, size)
+        return Room(False, [], largest)
+
+    def _cheapest_run(self, low: int, high: int, need: int, chosen: list[Block], cheap: bytes | None) -> list[Block]:
+        """The blocks of ``chosen`` in the cheapest run of neighbours in [low, high) (free
+        blocks and chosen ones, which tile it) that holds ``need`` bytes; in ``chosen`` order."""
+        parts = sorted([(start, size, 0) for start, size in self.free_by_start.items() if low <= start < high]
+                       + [(b.offset, b.size, 1 if b.key == cheap else 2) for b in chosen if low <= b.offset < high])
+        best = (len(parts) * 2 + 1, 0, len(parts))  # cost (2 a block, 1 the cheap one), first, end
+        right, total, spent = 0, 0, 0
+        for left in range(len(parts)):  # two pointers: no cost is negative
+            while total < need and right < len(parts):
+                total, spent, right = total + parts[right][1], spent + parts[right][2], right + 1
+            if total < need:
+                break
+            if spent < best[0]:
+                best = (spent, left, right)
+            total, spent = total - parts[left][1], spent - parts[left][2]
+        keep = {offset for offset, _, weight in parts[best[1]:best[2]] if weight}
+        return [b for b in chosen if b.offset in keep]
 
     def commit(self, block: Block, frame: bytes | memoryview) -> None:
         src = np.frombuffer(frame, dtype=np.uint8)

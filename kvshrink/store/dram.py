@@ -3,8 +3,18 @@
 One process owns the arena for writing (an exclusive ``flock`` on the file, taken by the arena
 before it touches the file and released by the kernel when the owner dies, so ``kill -9`` never
 leaves it locked); any number of processes may attach read-only. A reader never trusts its
-snapshot: it re-checks a block's header after decoding, and a block rewritten underneath it is a
-miss, not corruption.
+snapshot: it re-checks the header of the block it read after decoding or copying it, and a block
+freed or rewritten underneath it is a miss, not corruption. Within the owner's process a block
+being read is freed only once the read ends.
+
+Making room: a write that does not fit plans which blocks to free (:meth:`Arena.room_for`): the
+old copy of its own key first (it is being replaced, and freeing it often makes the room in
+place), then the store's planned victims, then the rest oldest first, pinned chunks never (a
+pinned old copy of the key only as a last resort), until a hole would fit; of those, only the
+fewest neighbours that make that hole large enough are freed, so a chunk is evicted only when
+the room needs it. When no hole can be made, nothing is evicted and the
+:class:`~kvshrink.store.tier.TierFullError` gives the sizes (frame, capacity, largest free hole,
+largest hole evicting could make, pinned bytes). ``plan_eviction`` runs the same plan.
 
 The arena's pages are reserved when the owner opens it: a ``/dev/shm`` too small for the
 capacity is a :class:`~kvshrink.errors.StoreUnavailableError` from the constructor (naming the
@@ -31,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvshrink.errors import CorruptDataError, StoreUnavailableError
-from kvshrink.store.arena import SUPERBLOCK, Arena, Block, block_size_for
+from kvshrink.store.arena import SUPERBLOCK, Arena, Block, Room, block_size_for
 from kvshrink.store.config import TierConfig
 from kvshrink.store.tier import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
 
@@ -125,43 +135,50 @@ class DramTier(Tier):
 
     # -- Tier -------------------------------------------------------------------------------------
     def plan_eviction(self, key: bytes, frame_len: int) -> list[bytes]:
-        # the same candidates, in the same order, as write_frame evicts (a block being read is
-        # evicted too; its space comes back when the read ends, which write_frame waits for)
+        # the victims write_frame would evict now, in its order (a block being read is evicted
+        # too; its space comes back when the read ends, which write_frame waits for); the old
+        # copy of ``key`` is no victim: the write replaces it, nobody should demote it
         with self._lock:
-            candidates = (self._blocks[k] for k in self._lru.oldest(self.is_pinned, exclude=key))
-            return [b.key for b in self._arena.frees_needed(len(key), frame_len, candidates)]
+            room = self._arena.room_for(len(key), frame_len, self._candidates_locked(key, ()), cheap=key)
+            return [b.key for b in room.blocks if b.key != key]
 
     def write_frame(self, key: bytes, frame: Buffer, keep_victims: KeepVictims = False,
                     evict_first: Sequence[bytes] = ()) -> list[Victim]:
+        """Room is made by a plan (:meth:`_candidates_locked`, :meth:`Arena.room_for`) that
+        evicts nothing unless it yields a hole the frame fits in; when none can be made the
+        TierFullError says why and nothing was evicted. The old copy of ``key`` may be freed
+        before the new one is committed: a read of it in this process finishes on the old bytes
+        (the block is freed when the read ends), a read from another process sees the header
+        change and misses; a new read finds no key until the commit."""
         if self.readonly:
             raise StoreUnavailableError(f"tier {self.name}: attached read-only")
         frame_len = memoryview(frame).nbytes
-        if block_size_for(len(key), frame_len) > self.capacity_bytes:
-            raise self._count_write_error(key, TierFullError(f"{frame_len}-byte chunk exceeds the arena"))
+        need = block_size_for(len(key), frame_len)
+        if need > self.capacity_bytes:
+            raise self._count_write_error(key, TierFullError(
+                f"tier {self.name}: a {frame_len}-byte frame needs a {need}-byte block, more than "
+                f"the arena's capacity of {self.capacity_bytes} bytes"))
         victims: list[Victim] = []
         with self._freed:
-            reading: set[int] = set()  # our victims whose space returns when a read ends
+            reading: set[int] = set()  # offsets we freed whose space returns when a read ends
             while (block := self._arena.allocate(key, frame_len)) is None:
                 if reading & self._doomed.keys():
                     # wait for those reads rather than evict more than plan_eviction promised
                     if not self._freed.wait(_DOOMED_WAIT_S):
-                        reading.clear()  # a read that slow: evict further instead
+                        reading.clear()  # a read that slow: make room elsewhere instead
                     continue
-                victim = next(self._lru.oldest(self.is_pinned, exclude=key, first=evict_first), None)
-                if victim is None:
+                room = self._arena.room_for(len(key), frame_len, self._candidates_locked(key, evict_first),
+                                          cheap=key)
+                if not room.blocks:  # no room can be made (fits with nothing to free: allocate would not fail)
                     if self._doomed and self._freed.wait(_DOOMED_WAIT_S):
-                        continue
-                    raise self._count_write_error(key, TierFullError("every resident chunk is pinned"))
-                offset = self._blocks[victim].offset
-                kept = bytes(self._arena.payload(self._blocks[victim])) if wants_frame(keep_victims, victim) else None
-                self._remove_locked(victim)
-                if offset in self._doomed:
-                    reading.add(offset)
-                self.counters.add("evictions")
-                victims.append(Victim(victim, kept))
+                        continue  # a read of an evicted block ended: its space is back
+                    raise self._count_write_error(key, TierFullError(self._no_room_locked(key, frame_len, room)))
+                for planned in room.blocks:
+                    if self._make_room_locked(key, planned, keep_victims, victims):
+                        reading.add(planned.offset)
         self._arena.commit(block, frame)  # outside the lock: the block is invisible until indexed
         with self._lock:
-            if key in self._blocks:
+            if key in self._blocks:  # the old copy, when room was made without freeing it
                 self._remove_locked(key)
             self._blocks[key] = block
             self._lru.add(key, block.size)
@@ -170,7 +187,10 @@ class DramTier(Tier):
         return victims
 
     @contextmanager
-    def _open_frame(self, key: bytes, touch: bool = True) -> Iterator[Buffer | None]:
+    def _open_block(self, key: bytes, touch: bool = True) -> Iterator[Block | None]:
+        """The indexed block of ``key`` (or None), registered as being read: the owner frees it
+        only once the read ends. A reader in another process is not registered with the owner:
+        it re-checks the block's header after reading (:meth:`Arena.still_holds`)."""
         with self._lock:
             block = self._lookup_locked(key)
             if block is not None:
@@ -181,18 +201,38 @@ class DramTier(Tier):
             yield None
             return
         try:
-            yield self._arena.payload(block)
+            yield block
         finally:
             with self._lock:
                 self._release_reader_locked(block.offset)
 
+    @contextmanager
+    def _open_frame(self, key: bytes, touch: bool = True) -> Iterator[Buffer | None]:
+        with self._open_block(key, touch) as block:
+            yield None if block is None else self._arena.payload(block)
+
     def get(self, key: bytes, out: Any = None) -> Any:
-        chunk = super().get(key, out)
-        if chunk is not None and self.readonly and not self._still_current(key):
+        if not self.readonly:
+            return super().get(key, out)
+        with self._open_block(key) as block:
+            if block is None:
+                self.counters.add("misses")
+                return None
+            chunk = self.decode_frame(key, self._arena.payload(block), out)
+        if chunk is not None and not self._arena.still_holds(block):
             self.counters.add("hits", -1)
             self.counters.add("misses")
             return None  # rewritten by the owner while we decoded: a miss, never a mix
         return chunk
+
+    def read_frame(self, key: bytes) -> bytes | None:
+        with self._open_block(key, touch=False) as block:
+            if block is None:
+                return None
+            data = bytes(self._arena.payload(block))
+        if self.readonly and not self._arena.still_holds(block):
+            return None  # the owner freed or rewrote the block while we copied it
+        return data
 
     def _discard_corrupt(self, key: bytes, reason: str) -> None:
         if not self.readonly:
@@ -249,17 +289,57 @@ class DramTier(Tier):
         block = self._blocks.get(key)
         if not self.readonly:
             return block
-        if block is None and time.monotonic() - self._scanned_at > _RESCAN_INTERVAL_S:
-            self._load()  # another process may have written it since our last look
-            block = self._blocks.get(key)
         if block is not None and not self._arena.still_holds(block):
-            return None
+            block = None  # freed or rewritten by the owner since our last look
+        if block is None and time.monotonic() - self._scanned_at > _RESCAN_INTERVAL_S:
+            self._load()  # the owner may have written it (again) since our last look
+            block = self._blocks.get(key)
+            if block is not None and not self._arena.still_holds(block):
+                return None
         return block
 
     def _still_current(self, key: bytes) -> bool:
         with self._lock:
             block = self._blocks.get(key)
             return block is not None and self._arena.still_holds(block)
+
+    def _candidates_locked(self, key: bytes, evict_first: Sequence[bytes]) -> Iterator[Block]:
+        """What a write of ``key`` may free, in order: the old copy of ``key`` first (it is
+        being replaced; freeing it often makes the room in place), then ``evict_first``, then
+        the rest oldest first. Pinned chunks are never candidates, except a pinned old copy of
+        ``key`` as the last one: the write replaces it anyway once committed."""
+        old = self._blocks.get(key)
+        old_pinned = old is not None and self.is_pinned(key)
+        if old is not None and not old_pinned:
+            yield old
+        for victim in self._lru.oldest(self.is_pinned, exclude=key, first=evict_first):
+            yield self._blocks[victim]
+        if old is not None and old_pinned:
+            yield old
+
+    def _make_room_locked(self, key: bytes, block: Block, keep_victims: KeepVictims,
+                          victims: list[Victim]) -> bool:
+        """Free one planned block for a write of ``key``: another key's is an eviction (a
+        victim, with its frame when asked), the old copy of ``key`` is not. Returns whether a
+        read still holds the block (its space comes back when that read ends)."""
+        if block.key == key:
+            self._remove_locked(key)
+        else:
+            kept = bytes(self._arena.payload(block)) if wants_frame(keep_victims, block.key) else None
+            self._remove_locked(block.key)
+            self.counters.add("evictions")
+            victims.append(Victim(block.key, kept))
+        return block.offset in self._doomed
+
+    def _no_room_locked(self, key: bytes, frame_len: int, room: Room) -> str:
+        """Why no room can be made for this frame, in sizes."""
+        pinned = [b.size for k, b in self._blocks.items() if k != key and self.is_pinned(k)]
+        return (f"tier {self.name}: no room for a {frame_len}-byte frame "
+                f"({block_size_for(len(key), frame_len)}-byte block) in an arena of {self.capacity_bytes} "
+                f"bytes: the largest free hole is {self._arena.largest_free()} bytes and evicting every "
+                f"unpinned chunk would make one of {room.largest} bytes at most; {sum(pinned)} bytes are "
+                f"pinned ({len(pinned)} chunks), {sum(self._doomed.values())} bytes await the end of "
+                f"reads of evicted chunks")
 
     def _remove_locked(self, key: bytes) -> None:
         block = self._blocks.pop(key)
