@@ -3,16 +3,32 @@
 * ``put`` stages the chunk and returns a Future at once; workers compress (per tier: raw frames
   for uncompressed tiers) and write it to the ``put`` tiers; the Future is True once it is durable
   there, False when the engine was full and dropped it (counted). Write-back to ``write_back``
-  tiers follows in the background.
-* A chunk evicted from tier *i* is demoted to tier *i+1* (unless already there), whose own
-  evictions demote further; the last tier drops. Demotion runs on the worker that evicted.
+  tiers follows in the background. Before the Future is True, every older copy of the key in the
+  other tiers is unreachable: deleted from local tiers, hidden on remote ones until overwritten
+  (see :class:`CopyLedger`).
+* A chunk evicted from tier *i* is demoted to tier *i+1* unless that tier already holds its
+  current value (a write-back copy), whose own evictions demote further; the last tier drops.
+  Demotion to a local tier runs on the worker that evicted; demotion to a remote tier (Redis) is
+  queued in the background, the chunk waiting in memory (*parked*, still readable; retried while
+  Redis refuses it; at most ``engine.staging_bytes`` of them, beyond which the oldest are given
+  up and reported dropped), so a slow or hung Redis never holds up a put to a faster tier.
 * ``get`` / ``get_many`` / ``get_into`` read from the fastest tier holding the chunk; a hit below
-  the first tier is promoted in the background. ``get_many`` reads chunks on different tiers in
-  parallel and decodes in parallel into the caller's buffers.
+  the first tier is promoted in the background: *moved* out of an exclusive tier (neither ``put``
+  nor ``write_back``: the budgets add up), copied out of the others (they hold copies by design).
+  ``get_many`` reads chunks on different tiers in parallel and decodes in parallel into the
+  caller's buffers.
 * ``lock`` / ``unlock`` pin chunks in the local tiers (LMCache's lookup-and-lock); ``header`` gives
   a chunk's dtype and shape before the caller allocates.
 * ``add_drop_listener`` tells an owner (an LMCache adapter mirroring the store's contents) which
   keys left the store on the store's own initiative; see :class:`DropListeners`.
+
+Buffers: ``put`` copies the caller's chunk into a staging buffer and never modifies it; reads
+write only into the ``out`` buffers given. Errors: the KVShrinkError family only; reads never
+raise for a missing, corrupt or unreachable chunk (a miss), a put's Future fails with the error
+of the tier that refused it, background failures are counted (``background_errors``) and logged.
+Threads: any method may be called from any thread. Locks, outermost first: a tier's write lock
+(``_write_locks[i]``: plan, evict and write of tier *i*), then the tiers' own locks; the ledger's
+condition is only ever held for bookkeeping, never across a tier call.
 """
 
 from __future__ import annotations
@@ -22,14 +38,17 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvshrink.errors import KVShrinkError, StoreUnavailableError
 from kvshrink.store.config import StoreConfig, TierConfig
 from kvshrink.store.engine import CopyEngine
 from kvshrink.store.stats import Counters
-from kvshrink.store.tier import Tier, Victim, check_key
+from kvshrink.store.tier import Tier, check_key
 from kvshrink.store import frames
 
 log = logging.getLogger(__name__)
@@ -52,6 +71,9 @@ def build_tier(config: TierConfig, is_pinned: Any) -> Tier:
 DropListener = Callable[[list[bytes]], None]
 DROP_COUNTERS = ("keys_dropped", "drop_listener_errors")
 RECENT_DROPS = 4096  # keys remembered as reported, so racing removals of one key report it once
+READ_LOOKS = 3  # a read that missed everywhere while a chunk moved up looks again, this often at most
+EVICTED_WAIT_S = 5.0  # longest a read waits for the demotion of a chunk evicted before it was copied
+PUMP_RETRY_S = 1.0  # after a remote tier refused a parked chunk, the next try waits this long (or a flush)
 
 
 class DropListeners:
@@ -59,8 +81,19 @@ class DropListeners:
 
     A key is *dropped* when a tier removed it on its own and afterwards no tier holds it: evicted
     from the last tier, evicted from a tier whose demotion below failed or had nothing to move,
-    or quarantined (corrupt, or its file vanished) during a read. A demotion is not a drop, and
-    neither is an eviction of a key that another tier (a write-back copy, Redis) still holds.
+    quarantined (corrupt, or its file vanished) during a read, or given up while parked on its
+    way to Redis (the parking budget spent, or the store closed while Redis refused it; what Redis
+    may hold under the key is hidden from then on). A demotion is not a drop, and neither is an
+    eviction of a key that another tier (a write-back copy, Redis) still holds.
+
+    A notice means the chunk is gone. Local tiers are asked at once; a remote tier (Redis) is
+    never asked on a put's path: a key this process wrote there is taken as held (evictions Redis
+    makes on its own, by maxmemory or TTL, are invisible to the store and never reported), and a
+    key it may hold for another reason (written by an earlier process, or by a write that timed
+    out) is checked in the background and reported only if Redis *answered* that it lacks it. An
+    unreachable or hung Redis therefore never causes a notice: such a key goes unreported, and
+    its owner learns it is gone from a later lookup that misses it. A key whose Redis copy the
+    store hides as an older value (see :class:`CopyLedger`) counts as not held there.
 
     ``delete()`` never fires listeners: its caller learns the outcome from its return value.
     Every removal is checked after it happens, so whoever removes a key's last copy reports it,
@@ -70,14 +103,13 @@ class DropListeners:
     key removed by ``delete()`` at the same instant as an eviction may be reported too, and a
     key re-``put`` between the check and the report is reported although it is back. An owner
     that mirrors the store's contents therefore keeps its own set of announced keys and
-    re-checks ``contains`` under its own lock before it reports (as the LMCache MP adapter
-    does). Evictions Redis makes on its own (maxmemory, TTL) are invisible to the store and
-    never reported; an unreachable Redis counts as not holding a key.
+    re-checks ``contains`` under its own lock before it reports (as the LMCache MP adapter does).
 
     Listeners get the keys (no sizes: a tier does not keep a victim's size) on the thread that
-    removed them, a store worker or a reader, after the store released its locks; they must be
-    quick and must not call ``put``/``flush``/``close`` of this store. An exception in a listener
-    is logged and counted (``drop_listener_errors``), never raised into the store.
+    removed them (a store worker or a reader) or on a background worker (keys checked with
+    Redis), after the store released its locks; they must be quick and must not call
+    ``put``/``flush``/``close`` of this store. An exception in a listener is logged and counted
+    (``drop_listener_errors``), never raised into the store.
     """
 
     def __init__(self) -> None:
@@ -120,6 +152,290 @@ class DropListeners:
                 log.exception("drop listener %r failed on %d keys", listener, len(keys))
 
 
+@dataclass(eq=False)
+class Move:
+    """One copy of a key's frame on its way between tiers (demotion, write-back, promotion).
+    ``doomed``: a put (or delete) of the key came after the frame was read, so it must not land.
+    A move made with ``key=None`` stands for the victims a write has not named yet: it collects
+    the keys superseded while it lives (``superseded``), see :meth:`CopyLedger.adopt`."""
+
+    key: bytes | None
+    doomed: bool = False
+    superseded: set[bytes] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Parked:
+    """A victim of a local tier on its way to a remote one, held in memory until it lands.
+    ``frame`` is in the source tier's format until the first try converts it for the target."""
+
+    frame: bytes
+    source: int
+    target: int
+    move: Move
+    size: int = 0  # bytes counted against the parking budget
+
+
+class CopyLedger:
+    """What the store knows about copies of keys beyond what each tier says, and the order of
+    copies between tiers against puts of the same key.
+
+    Why: a copy read from one tier lands in another some time later. A put of the key in between
+    must win: the copy must not land after the put made it obsolete, and no older copy may stay
+    readable once the put's Future is True. So every copy registers a :class:`Move` *before* it
+    reads its frame. A put writes its first put tier under that tier's write lock and, still
+    holding it, marks the key *superseding*, dooms every registered move of the key (moves
+    registered meanwhile are born doomed), waits for doomed moves still writing into a local
+    tier, and deletes the key from the other local tiers; a doomed move never starts writing.
+    Demotions out of the first put tier read their frame under its write lock, so a move of the
+    new value cannot exist before the put is done; any other move registered before the put is
+    done may carry an older value (a copy of the new one that is doomed needlessly is redone by
+    the put's own write-back). A put whose write fails retires and dooms nothing.
+
+    Remote tiers (Redis) are never waited for or written on a put's path. The put *hides* the
+    key there instead (``stale``): reads, ``contains`` and drop checks skip a hidden copy, and
+    the next copy of the current value that lands there un-hides it. Hidden copies are deleted
+    from Redis at ``close`` (best effort); until then they cost a set entry each. Copies that
+    land on one remote tier are serialised per key, so a doomed one never overtakes a fresh one.
+    ``backed`` remembers which keys a remote tier holds the current value of (this process wrote
+    it there), so evictions need not ask Redis; ``parked`` holds evicted chunks on their way to
+    Redis, readable meanwhile.
+
+    Limits: a write that Redis applies after the client gave up on it (a hung server that
+    resumes) can land after a newer one. What the ledger knows lives in this process only: after
+    a restart, nothing is hidden or known to be backed (evictions then write to Redis again).
+
+    Thread-safe; ``_cv`` guards everything and is never held across a tier call.
+    """
+
+    def __init__(self, remote: Sequence[int]) -> None:
+        self._cv = threading.Condition()
+        self._moves: dict[bytes, list[Move]] = {}
+        self._open_victims: list[Move] = []  # key=None moves of writes that evict
+        self._landing: Counter[tuple[bytes, int]] = Counter()  # (key, tier) -> moves writing it there now
+        self._superseding: Counter[bytes] = Counter()
+        self.parked: dict[bytes, Parked] = {}  # oldest first
+        self.parked_bytes = 0
+        self._pumping = False  # a job landing parked chunks is queued or running
+        self._pump_failed_at = -PUMP_RETRY_S
+        self.stale: dict[int, set[bytes]] = {t: set() for t in remote}
+        self.backed: dict[int, set[bytes]] = {t: set() for t in remote}
+        self.moved = 0  # chunks moved up or unparked: a read that missed while it changed looks again
+        self._evicting: Counter[bytes] = Counter()  # evicted by a write that did not plan it, not yet demoted
+
+    # -- moves ------------------------------------------------------------------------------------
+    def begin(self, key: bytes) -> Move:
+        """Register a copy of ``key`` about to read its frame; call :meth:`end` when done."""
+        with self._cv:
+            return self._register(key, self._superseding[key] > 0)
+
+    def begin_victims(self) -> Move:
+        """A move for the victims a tier write is about to evict (their keys are known after it)."""
+        move = Move(None)
+        with self._cv:
+            self._open_victims.append(move)
+        return move
+
+    def adopt(self, victims: Move, key: bytes) -> Move:
+        """The move of victim ``key`` of ``victims``: doomed if the key was superseded since."""
+        with self._cv:
+            return self._register(key, key in victims.superseded or self._superseding[key] > 0)
+
+    def end(self, move: Move | None) -> None:
+        """The copy is done (landed, abandoned or failed); ending a move twice is harmless."""
+        if move is None:
+            return
+        with self._cv:
+            if move.key is None:
+                self._open_victims.remove(move)
+            else:
+                self._end_locked(move)
+
+    def _end_locked(self, move: Move) -> None:
+        moves = self._moves.get(move.key, [])
+        if move in moves:
+            moves.remove(move)
+        if not moves:
+            self._moves.pop(move.key, None)
+
+    def _register(self, key: bytes, doomed: bool) -> Move:
+        move = Move(key, doomed)
+        self._moves.setdefault(key, []).append(move)
+        return move
+
+    @contextmanager
+    def landing(self, move: Move | None, key: bytes, index: int) -> Iterator[bool]:
+        """Around a tier write of ``key`` into tier ``index``: yields False (write nothing) when
+        ``move`` is doomed. Writes into a remote tier wait for one of the same key there."""
+        with self._cv:
+            if index in self.stale:
+                self._cv.wait_for(lambda: not self._landing[(key, index)] or (move is not None and move.doomed))
+            ok = move is None or not move.doomed
+            if ok:
+                self._landing[(key, index)] += 1
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._cv:
+                    self._landing[(key, index)] -= 1
+                    if not self._landing[(key, index)]:
+                        del self._landing[(key, index)]
+                    self._cv.notify_all()
+
+    def landed(self, index: int, key: bytes, move: Move | None) -> None:
+        """A write of ``key`` into tier ``index`` succeeded: on a remote tier, it now holds the
+        current value (unless a put superseded the move meanwhile)."""
+        if index not in self.stale:
+            return
+        with self._cv:
+            if move is None or not move.doomed:
+                self.stale[index].discard(key)
+                self.backed[index].add(key)
+
+    @contextmanager
+    def superseding(self, key: bytes, wait_for: Sequence[int], hide_in: Sequence[int]) -> Iterator[None]:
+        """A put of ``key`` runs inside: every move of the key is doomed, its parked chunk
+        dropped, its copies on the ``hide_in`` tiers hidden, and landings in the ``wait_for``
+        tiers finished before the body runs; moves that begin inside are born doomed."""
+        with self._cv:
+            self._superseding[key] += 1
+            self._doom_locked(key)
+            for index in hide_in:
+                self.stale[index].add(key)
+            self._cv.wait_for(lambda: not any(self._landing[(key, t)] for t in wait_for))
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._superseding[key] -= 1
+                if not self._superseding[key]:
+                    del self._superseding[key]
+
+    def forget(self, key: bytes) -> bool:
+        """``delete`` of ``key``: doom its moves, drop its parked chunk; True if one was parked."""
+        with self._cv:
+            return self._doom_locked(key)
+
+    def _doom_locked(self, key: bytes) -> bool:
+        for move in self._moves.get(key, ()):
+            move.doomed = True
+        for victims in self._open_victims:
+            victims.superseded.add(key)
+        for backed in self.backed.values():
+            backed.discard(key)
+        return self._pop_locked(key, end=True) is not None
+
+    # -- what remote tiers and the parking hold ---------------------------------------------------
+    def holds(self, index: int, key: bytes) -> bool:
+        """Whether remote tier ``index`` is known to hold the current value of ``key``."""
+        with self._cv:
+            return key in self.backed[index] and key not in self.stale[index]
+
+    def is_stale(self, index: int, key: bytes) -> bool:
+        with self._cv:
+            return key in self.stale.get(index, ())
+
+    def hide(self, index: int, key: bytes) -> None:
+        with self._cv:
+            self.stale[index].add(key)
+            self.backed[index].discard(key)
+
+    def unhide(self, index: int, keys: Sequence[bytes]) -> None:
+        with self._cv:
+            self.stale[index].difference_update(keys)
+
+    def forget_backed(self, index: int, key: bytes) -> None:
+        with self._cv:
+            self.backed[index].discard(key)
+
+    def park(self, key: bytes, entry: Parked, budget: int) -> list[tuple[bytes, Parked]]:
+        """Park ``entry``; return the oldest entries taken out to stay within ``budget`` bytes
+        (the caller gives them up)."""
+        with self._cv:
+            self._pop_locked(key, end=True)
+            self.parked[key] = entry
+            self.parked_bytes += entry.size
+            evicted = []
+            while self.parked_bytes > budget and self.parked:
+                oldest = next(iter(self.parked))
+                evicted.append((oldest, self._pop_locked(oldest)))
+            return evicted
+
+    def _pop_locked(self, key: bytes, end: bool = False) -> Parked | None:
+        entry = self.parked.pop(key, None)
+        if entry is not None:
+            self.parked_bytes -= entry.size
+            if end and entry.move is not None:
+                self._end_locked(entry.move)
+        return entry
+
+    def oldest_parked(self) -> tuple[bytes, Parked] | None:
+        with self._cv:
+            return next(iter(self.parked.items()), None)
+
+    def unpark(self, key: bytes, entry: Parked) -> None:
+        with self._cv:
+            if self.parked.get(key) is entry:
+                self._pop_locked(key)
+                self.moved += 1
+
+    def claim_pump(self, force: bool) -> bool:
+        """Whether the caller should queue the pump: chunks are parked, none is queued, and the
+        last refusal is not too recent (``force``: try anyway)."""
+        with self._cv:
+            recent = time.monotonic() - self._pump_failed_at < PUMP_RETRY_S
+            if self._pumping or not self.parked or (recent and not force):
+                return False
+            self._pumping = True
+            return True
+
+    def release_pump(self, failed: bool) -> None:
+        with self._cv:
+            self._pumping = False
+            if failed:
+                self._pump_failed_at = time.monotonic()
+
+    def parked_frame(self, key: bytes, index: int | None = None) -> bytes | None:
+        """The parked frame of ``key`` (bound for tier ``index`` when given), or None."""
+        with self._cv:
+            entry = self.parked.get(key)
+        if entry is None or (index is not None and entry.target != index):
+            return None
+        return entry.frame
+
+    def parked_keys(self, index: int) -> list[bytes]:
+        with self._cv:
+            return [k for k, e in self.parked.items() if e.target == index]
+
+    def note_moved(self) -> None:
+        with self._cv:
+            self.moved += 1
+
+    def evicting(self, key: bytes) -> None:
+        """A tier is evicting ``key`` before its demotion (a victim the write did not plan): for
+        a moment no tier holds it. Call :meth:`evicted` once it was demoted (or given up)."""
+        with self._cv:
+            self._evicting[key] += 1
+            self.moved += 1
+
+    def evicted(self, keys: Sequence[bytes]) -> None:
+        with self._cv:
+            for key in keys:
+                self._evicting[key] -= 1
+                if self._evicting[key] <= 0:
+                    del self._evicting[key]
+            self._cv.notify_all()
+
+    def wait_evicted(self, key: bytes, timeout: float) -> bool:
+        """Wait until ``key`` is no longer between eviction and demotion; False if it was not."""
+        with self._cv:
+            if not self._evicting[key]:
+                return False
+            self._cv.wait_for(lambda: not self._evicting[key], timeout)
+            return True
+
+
 def _done(value: bool) -> Future:
     future: Future = Future()
     future.set_result(value)
@@ -145,6 +461,11 @@ class TieredStore:
             raise
         self._put_tiers = [i for i, t in enumerate(config.tiers) if t.put]
         self._write_back_tiers = [i for i, t in enumerate(config.tiers) if t.write_back and not t.put]
+        # neither put nor write_back: holds a chunk only instead of a faster tier (promotion moves)
+        self._exclusive = {i for i, t in enumerate(config.tiers) if not t.put and not t.write_back}
+        self._remote = [i for i, t in enumerate(self.tiers) if t.batch_reads]  # a round trip per call
+        self._local = [i for i in range(len(self.tiers)) if i not in self._remote]
+        self._ledger = CopyLedger(self._remote)
         self.engine = CopyEngine(config.engine)
         self._drops = DropListeners()
         self._closed = False
@@ -158,9 +479,10 @@ class TieredStore:
     def put(self, key: bytes, kv: Any) -> Future:
         """Store ``kv`` (numpy array or torch tensor, left untouched) under ``key``; never waits.
 
-        The Future is True once the chunk is durable on the ``put`` tiers, False when the engine
-        was full and dropped it; it fails with a KVShrinkError when a tier refused the write.
-        A put of a key already in flight returns the in-flight Future.
+        The Future is True once the chunk is durable on the ``put`` tiers and no tier serves an
+        older value of ``key`` any more, False when the engine was full and dropped it; it fails
+        with a KVShrinkError when a tier refused the write. A put of a key already in flight
+        returns the in-flight Future.
         """
         key = check_key(key)
         self._check_open()
@@ -193,8 +515,9 @@ class TieredStore:
         lost: list[bytes] = []
         try:
             encoded = frames.FrameSet(chunk=chunk)
-            for index in self._put_tiers:
-                self._write(index, key, encoded.frame_for(self.tiers[index]), lost)
+            for n, index in enumerate(self._put_tiers):
+                supersede = n == 0 and len(self.tiers) > 1
+                self._write(index, key, encoded.frame_for(self.tiers[index]), lost, supersede=supersede)
         except KVShrinkError:
             self.engine.counters.add("put_errors")
             raise
@@ -202,79 +525,303 @@ class TieredStore:
             self.engine.staging.release(buf)
             self._report_dropped(lost)  # before the put's Future completes
         if self._write_back_tiers:
-            self._schedule(self._copy_job, self._put_tiers[0], self._write_back_tiers, key)
+            self._schedule(self._write_back_job, key)
         return True
 
-    def _write(self, index: int, key: bytes, frame: Any, lost: list[bytes]) -> None:
+    def _write(self, index: int, key: bytes, frame: Any, lost: list[bytes], move: Move | None = None, *,
+               supersede: bool = False, promoted_from: int | None = None) -> bool:
         """Write a frame into tier ``index``; what it must evict is demoted to the tier below.
+        Returns False when ``move`` was doomed (a put of the key came after its frame was read):
+        nothing was written.
 
         Demote-then-evict: under the tier's write lock, the chunks the write will evict are
-        first copied below (durably), and only then evicted (those first), so neither a crash
-        nor a concurrent reader ever finds a chunk in no tier. Victims the plan did not foresee
-        (a planned chunk pinned meanwhile) are demoted after. Keys that may have left the store
-        (every victim not demoted by this call: last-tier victims, failed demotions, planned
-        victims) are appended to ``lost``; the job checks and reports them once every lock is
-        released, so whichever writer removes a key's last copy reports it.
+        first copied below (durably; to a remote tier: parked in memory), and only then evicted
+        (those first), so neither a crash nor a concurrent reader ever finds a chunk in no tier.
+        Victims the plan did not foresee (the tier's plan changed meanwhile: reads, pins) are
+        demoted after; a read that misses one in between waits for that demotion.
+        Keys that may have left the store (every victim not demoted by this call: last-tier
+        victims, failed demotions, planned victims) are appended to ``lost``; the job checks and
+        reports them once every lock is released, so whichever writer removes a key's last copy
+        reports it. ``supersede`` (a put, into its first put tier): once written, retire every
+        older copy of the key (see :class:`CopyLedger`; a write that fails retires nothing).
+        ``promoted_from``: a promotion out of that tier, which drops its copy once this one is
+        written if it is exclusive.
         """
+        marked: list[bytes] = []  # unplanned victims readers wait for until they are demoted
+        try:
+            return self._write_locked(index, key, frame, lost, move, supersede, promoted_from, marked)
+        finally:
+            if marked:
+                self._ledger.evicted(marked)
+
+    def _write_locked(self, index: int, key: bytes, frame: Any, lost: list[bytes], move: Move | None,
+                      supersede: bool, promoted_from: int | None, marked: list[bytes]) -> bool:
+        """``_write`` up to the demotion of the unplanned victims (listed in ``marked``)."""
         tier = self.tiers[index]
-        if index + 1 == len(self.tiers):
-            lost += [v.key for v in tier.write_frame(key, frame)]
-            self._drops.stored(key)
-            return
-        below = self.tiers[index + 1]
-        with self._write_locks[index]:
-            planned = tier.plan_eviction(key, memoryview(frame).nbytes)
-            self._demote(index, [Victim(k, tier.read_frame(k)) for k in planned if not below.contains(k)], lost)
+        last = index + 1 == len(self.tiers)
+        with self._write_locks[index] if self._locked(index) else nullcontext():
+            if move is not None and move.doomed:
+                return False
+            if promoted_from in self._local and not self.tiers[promoted_from].contains(key):
+                return False  # dropped from there meanwhile: a promotion must not bring it back
+            planned = [] if last else tier.plan_eviction(key, memoryview(frame).nbytes)
             early = set(planned)
-            victims = tier.write_frame(key, frame, keep_victims=lambda k: k not in early, evict_first=planned)
+            if planned:
+                self._demote(index, self._capture(index, planned), lost)
+            unnamed = None if last else self._ledger.begin_victims()
+            try:
+                with self._ledger.landing(move, key, index) as ok:
+                    if not ok:
+                        return False
+                    keep = False if last else partial(self._keep_unplanned, index, early, marked)
+                    victims = tier.write_frame(key, frame, keep_victims=keep, evict_first=planned)
+                    self._ledger.landed(index, key, move)
+                later = [] if unnamed is None else [
+                    (v.key, v.frame, self._ledger.adopt(unnamed, v.key)) for v in victims if v.key not in early]
+            finally:
+                self._ledger.end(unnamed)
+            if promoted_from is not None:
+                self._after_promotion(promoted_from, key, move)
+            if supersede:
+                with self._superseding(key, index):
+                    self._retire_older_copies(key, index)
         self._drops.stored(key)
+        if last:
+            lost += [v.key for v in victims]
+            return True
         # a planned victim copied (or found) below may have been evicted there meanwhile, by a
         # writer that then still saw it here: check it again once every lock is released
-        lost += [v.key for v in victims if v.key in early]
-        self._demote(index, [v for v in victims if v.key not in early], lost)
+        if index + 1 in self._local:
+            lost += [v.key for v in victims if v.key in early]
+        self._demote(index, later, lost)
+        return True
 
-    def _demote(self, index: int, victims: list[Victim], lost: list[bytes]) -> None:
-        below = self.tiers[index + 1]
-        for victim in victims:
-            if below.contains(victim.key):
-                continue  # already below (write-back)
-            if victim.frame is None:
-                lost.append(victim.key)  # nothing to move (file vanished, or gone before the plan ran)
+    def _keep_unplanned(self, index: int, planned: set[bytes], marked: list[bytes], key: bytes) -> bool:
+        """keep_victims of a write into tier ``index`` (called by the tier, under its lock, for
+        each victim): a victim the plan did not name, and the tier below lacks, is evicted before
+        it is demoted; its frame is kept, and readers are told to wait for its demotion."""
+        if key in planned or self._holds_current(index + 1, key):
+            return False
+        self._ledger.evicting(key)
+        marked.append(key)
+        return True
+
+    def _locked(self, index: int) -> bool:
+        """Whether writes into tier ``index`` take its write lock: every tier but the last, and
+        a last tier that is the first put tier of several (so its puts exclude demotions into it)."""
+        return index + 1 < len(self.tiers) or (index == self._put_tiers[0] and len(self.tiers) > 1)
+
+    def _superseding(self, key: bytes, index: int) -> Any:
+        """The ledger's superseding section for a put of ``key`` into tier ``index``: wait for
+        copies landing in local tiers (and in this one), hide the key in remote tiers that are not
+        put tiers (a put tier gets the new value from this put)."""
+        wait_for = sorted(set(self._local) | {index})
+        hide_in = [t for t in self._remote if t not in self._put_tiers]
+        return self._ledger.superseding(key, wait_for, hide_in)
+
+    def _retire_older_copies(self, key: bytes, index: int) -> None:
+        """Delete ``key`` from the local tiers that are not put tiers (a put tier gets the new
+        value from this put): what they held is an older value. In the superseding section."""
+        for t in self._local:
+            if t != index and t not in self._put_tiers:
+                self.tiers[t].delete(key)
+
+    def _after_promotion(self, source: int, key: bytes, move: Move | None) -> None:
+        """A promotion of ``key`` out of tier ``source`` landed: an exclusive source lets go of
+        its copy (now that the faster tier holds it durably, so the chunk is always in one tier);
+        a remote write-back source is known to hold the current value."""
+        if move is not None and move.doomed:
+            return
+        if source in self._exclusive:
+            self._ledger.note_moved()  # before the copy goes: a read that missed both looks again
+            if source in self._remote:
+                self._ledger.hide(source, key)  # no Redis call here: the copy is hidden instead
+            else:
+                self.tiers[source].delete(key)
+        elif source in self._remote:
+            self._ledger.landed(source, key, move)
+
+    def _capture(self, index: int, keys: list[bytes]) -> list[tuple[bytes, bytes | None, Move | None]]:
+        """The frames of planned victims ``keys`` of tier ``index``, each under a registered move
+        (call with the tier's write lock held); none for a key the tier below holds already."""
+        captured = []
+        for key in keys:
+            if self._holds_current(index + 1, key):
+                captured.append((key, None, None))
                 continue
+            move = self._ledger.begin(key)
+            captured.append((key, self.tiers[index].read_frame(key), move))
+        return captured
+
+    def _holds_current(self, index: int, key: bytes) -> bool:
+        """Whether tier ``index`` holds the current value of ``key``, without a remote round trip:
+        a local tier's copy is current (puts delete older ones); a remote tier's is known."""
+        if index in self._remote:
+            return self._ledger.holds(index, key)
+        return self.tiers[index].contains(key)
+
+    def _demote(self, index: int, victims: list[tuple[bytes, bytes | None, Move | None]], lost: list[bytes]) -> None:
+        """Move victims of tier ``index`` (key, frame, move) to the tier below; ends each move."""
+        below = index + 1
+        for key, frame, move in victims:
             try:
-                self._write(index + 1, victim.key, frames.convert(victim.frame, below), lost)
-            except KVShrinkError as exc:
-                self.engine.counters.add("background_errors")
-                log.warning("demotion of %s to tier %s failed: %s", victim.key.hex()[:32], below.name, exc)
-                lost.append(victim.key)
-                continue
-            self.tiers[index].counters.add("demotions")
+                if self._holds_current(below, key):
+                    if below in self._remote and not self._held_elsewhere(key, index):
+                        self._ledger.forget_backed(below, key)  # no local copy left to evict again
+                    continue
+                if move is not None and move.doomed:
+                    continue  # a put of the key came after this frame was read: it must vanish
+                if frame is None:
+                    lost.append(key)  # nothing to move (file vanished, or gone before the plan ran)
+                    continue
+                if below in self._remote:
+                    self._park(key, frame, index, move, lost)
+                    move = None  # the parked chunk owns it now
+                    continue
+                try:
+                    if not self._write(below, key, frames.convert(frame, self.tiers[below]), lost, move):
+                        continue
+                except KVShrinkError as exc:
+                    self.engine.counters.add("background_errors")
+                    log.warning("demotion of %s to tier %s failed: %s", key.hex()[:32], self.tiers[below].name, exc)
+                    lost.append(key)
+                    continue
+                self.tiers[index].counters.add("demotions")
+            finally:
+                self._ledger.end(move)
+
+    def _held_elsewhere(self, key: bytes, index: int) -> bool:
+        return any(self.tiers[t].contains(key) for t in self._local if t != index)
+
+    def _park(self, key: bytes, frame: bytes, source: int, move: Move | None, lost: list[bytes]) -> None:
+        """Hold a victim of tier ``source`` bound for remote tier ``source + 1`` in memory (still
+        readable) and make sure the pump will land it; takes over ``move``. Beyond the parking
+        budget (``engine.staging_bytes``) the oldest parked chunks are given up: hidden there
+        and appended to ``lost``."""
+        entry = Parked(frame, source, source + 1, move, len(frame))
+        for old_key, old in self._ledger.park(key, entry, self.config.engine.staging_bytes):
+            self._give_up(old_key, old, "the parking budget is spent")
+            lost.append(old_key)
+        self._kick_pump()
+
+    def _give_up(self, key: bytes, entry: Parked, why: str) -> None:
+        """A parked chunk will not land: hide whatever its target holds under the key (a write
+        that timed out may still apply), so that the drop report that follows is true."""
+        self._ledger.hide(entry.target, key)
+        self._ledger.end(entry.move)
+        log.warning("demotion of %s to tier %s abandoned: %s", key.hex()[:32], self.tiers[entry.target].name, why)
+
+    def _kick_pump(self, force: bool = False) -> None:
+        """Queue the pump unless it is queued already (or refused lately, unless ``force``)."""
+        if self._ledger.claim_pump(force) and not self._schedule(self._pump_job):
+            self._ledger.release_pump(failed=False)  # the lane is full: the next park or flush retries
+
+    def _pump_job(self) -> None:
+        """Land parked chunks on their remote tiers, oldest first; each is unparked only once it
+        landed, so a read finds it in one place or the other. The first refusal (the tier is down
+        or hung) stops the run: the rest stay parked until the next try."""
+        lost: list[bytes] = []
+        failed = False
+        try:
+            while (item := self._ledger.oldest_parked()) is not None:
+                key, entry = item
+                target = self.tiers[entry.target]
+                try:
+                    entry.frame = frames.convert(entry.frame, target)
+                except KVShrinkError as exc:  # a frame that fails to decode: nothing to land
+                    self._ledger.unpark(key, entry)
+                    self._give_up(key, entry, str(exc))
+                    lost.append(key)
+                    continue
+                try:
+                    landed = self._write(entry.target, key, entry.frame, lost, entry.move)
+                except StoreUnavailableError as exc:
+                    failed = True
+                    log.warning("tier %s refused a parked chunk (%s); %d evicted chunks wait in memory",
+                                target.name, exc, len(self._ledger.parked))
+                    break
+                self._ledger.unpark(key, entry)
+                self._ledger.end(entry.move)
+                if landed:
+                    self.tiers[entry.source].counters.add("demotions")
+        finally:
+            self._ledger.release_pump(failed)
+            self._report_dropped(lost)
+        if not failed:
+            self._kick_pump()  # parked while this run finished
 
     def _report_dropped(self, candidates: list[bytes]) -> None:
-        """Fire the drop listeners for the ``candidates`` no tier holds any more. Call with no
-        store lock held: the check may ask Redis, and listeners run on this thread."""
+        """Fire the drop listeners for the ``candidates`` no tier holds any more; a key a remote
+        tier may hold is checked with it in the background (see :class:`DropListeners`). Call
+        with no store lock held: listeners run on this thread."""
         if not candidates:
             return
-        keys = list(dict.fromkeys(candidates))
-        gone = [k for k, held in zip(keys, self.contains_many(keys)) if not held]
+        gone, unsure = [], []
+        for key in dict.fromkeys(candidates):
+            if self._held_here(key):
+                continue
+            (unsure if any(not self._ledger.is_stale(t, key) for t in self._remote) else gone).append(key)
+        if gone:
+            self._drops.fire(gone)
+        if unsure:
+            self._schedule(self._check_drops_job, unsure)
+
+    def _held_here(self, key: bytes) -> bool:
+        """Held by a local tier, parked, or known to be held by a remote tier (no round trip)."""
+        return self._held_locally(key) or any(self._ledger.holds(t, key) for t in self._remote)
+
+    def _check_drops_job(self, keys: list[bytes]) -> None:
+        """Ask the remote tiers about drop candidates; report those every tier answered it lacks.
+        A tier that could not answer (it counted an error meanwhile) stops the check: no notice."""
+        for index in self._remote:
+            ask = [k for k in keys if not self._ledger.is_stale(index, k)]
+            if not ask:
+                continue
+            tier = self.tiers[index]
+            errors = tier.counters["errors"]
+            held = tier.contains_many(ask)
+            if tier.counters["errors"] != errors:
+                log.info("tier %s did not answer; %d possibly dropped keys are not reported", tier.name, len(keys))
+                return
+            present = {k for k, here in zip(ask, held) if here}
+            keys = [k for k in keys if k not in present]
+        gone = [k for k in keys if not self._held_here(k)]
         if gone:
             self._drops.fire(gone)
 
-    def _copy_job(self, source: int, targets: list[int], key: bytes) -> None:
-        """Background copy of one chunk to other tiers (write-back down, promotion up),
-        encoding it at most once per codec method."""
-        targets = [t for t in targets if not self.tiers[t].contains(key)]
+    def _write_back_job(self, key: bytes) -> None:
+        """Background copy of a put chunk from the first put tier to the write-back tiers that
+        lack its current value, encoding it at most once per codec method."""
+        targets = [t for t in self._write_back_tiers if not self._holds_current(t, key)]
         if not targets:
             return
-        frame = self.tiers[source].read_frame(key)
-        if frame is None:
-            return  # evicted meanwhile; the eviction demoted it
-        converted = frames.FrameSet(frame=frame)
+        move = self._ledger.begin(key)
         lost: list[bytes] = []
         try:
+            frame = self.tiers[self._put_tiers[0]].read_frame(key)
+            if frame is None:
+                return  # evicted meanwhile: the eviction demoted (or parked) it
+            converted = frames.FrameSet(frame=frame)
             for target in targets:
-                self._write(target, key, converted.frame_for(self.tiers[target]), lost)
+                if not self._write(target, key, converted.frame_for(self.tiers[target]), lost, move):
+                    return  # re-put meanwhile: that put's own write-back follows
         finally:
+            self._ledger.end(move)
+            self._report_dropped(lost)
+
+    def _promote_job(self, source: int, key: bytes) -> None:
+        """Background promotion of a hit in tier ``source`` to the first tier (see ``_write``)."""
+        if self.tiers[0].contains(key) or self._ledger.is_stale(source, key):
+            return  # promoted already, re-put, or hidden there meanwhile
+        move = self._ledger.begin(key)
+        lost: list[bytes] = []
+        try:
+            frame = self.tiers[source].read_frame(key)
+            if frame is None:
+                return  # evicted meanwhile
+            self._write(0, key, frames.convert(frame, self.tiers[0]), lost, move, promoted_from=source)
+        finally:
+            self._ledger.end(move)
             self._report_dropped(lost)
 
     def _schedule(self, job: Any, *args: Any) -> bool:
@@ -327,23 +874,52 @@ class TieredStore:
         done += [future.result() for future in pending]
         for i, chunk, tier_index in done:
             results[i], found_in[i] = chunk, tier_index
-            if tier_index and self.config.promote_on_hit and self._schedule(self._copy_job, tier_index, [0], keys[i]):
+            if tier_index and self.config.promote_on_hit and self._schedule(self._promote_job, tier_index, keys[i]):
                 self.engine.counters.add("promotions")
         # a chunk held when the read began but read as a miss was quarantined (or its file vanished)
         self._report_dropped([keys[i] for i in local if results[i] is None])
         return results
 
     def _held_locally(self, key: bytes) -> bool:
-        """Whether a local (non-batch) tier holds ``key``; the others go to one batched fetch."""
-        return any(t.contains(key) for t in self.tiers if not t.batch_reads)
+        """Whether a local (non-batch) tier holds ``key``, or it is parked on its way to a remote
+        one; the others go to one batched fetch. Looked at in the order chunks flow down (so a
+        demotion, which copies before it evicts, is never missed) and again if a chunk moved up
+        meanwhile."""
+        return self._settled(key, lambda: any(self.tiers[t].contains(key) for t in self._local)
+                             or self._ledger.parked_frame(key) is not None)
+
+    def _settled(self, key: bytes, look: Callable[[], Any]) -> Any:
+        """``look()`` for ``key``; looked again (a few times at most) while it finds nothing and
+        a chunk moved meanwhile (up, out of the parking, or evicted before its demotion, which
+        is waited for): a look tier by tier could have passed it."""
+        for _ in range(READ_LOOKS):
+            moved = self._ledger.moved
+            found = look()
+            if found:
+                return found
+            if not self._ledger.wait_evicted(key, EVICTED_WAIT_S) and self._ledger.moved == moved:
+                return found
+        return found
 
     def _read_from(self, i: int, key: bytes, out: Any) -> tuple[int, Any, int | None]:
-        """Try the tiers in order; the first hit wins. A tier that lacks the key counts a miss."""
-        for index, tier in enumerate(self.tiers):
-            chunk = tier.get(key, out)
-            if chunk is not None:
-                return i, chunk, index
-        return i, None, None
+        """Try the tiers in order; the first hit wins. A tier that lacks the key counts a miss.
+        A parked chunk is read from memory (reported as found in no tier: nothing to promote)."""
+        def look() -> tuple[Any, int | None] | None:
+            for index, tier in enumerate(self.tiers):
+                parked = self._ledger.parked_frame(key, index)
+                if parked is not None:
+                    chunk = _decode(parked, out)
+                    if chunk is not None:
+                        return chunk, None
+                if index in self._remote and self._ledger.is_stale(index, key):
+                    continue
+                chunk = tier.get(key, out)
+                if chunk is not None:
+                    return chunk, index
+            return None
+
+        found = self._settled(key, look)
+        return (i, None, None) if found is None else (i, *found)
 
     def _read_remote(self, keys: list[bytes], outs: list[Any], indices: list[int]):
         """Keys no local tier holds: one batched fetch per batch tier, parallel decodes."""
@@ -354,10 +930,11 @@ class TieredStore:
                 for i in indices:
                     tier.counters.add("misses")
                 continue
-            fetched = tier.fetch_frames([keys[i] for i in indices])
+            ask = [i for i in indices if not self._ledger.is_stale(index, keys[i])]
+            fetched = tier.fetch_frames([keys[i] for i in ask])
             decodes = [(i, self.engine.readers.submit(tier.decode_frame, keys[i], frame, outs[i]))
-                       for i, frame in zip(indices, fetched) if frame is not None]
-            missing = {i for i, frame in zip(indices, fetched) if frame is None}
+                       for i, frame in zip(ask, fetched) if frame is not None]
+            missing = set(indices) - {i for i, frame in zip(ask, fetched) if frame is not None}
             for i in missing:
                 tier.counters.add("misses")
             for i, future in decodes:
@@ -371,32 +948,56 @@ class TieredStore:
     def header(self, key: bytes) -> Any:
         """The stored chunk's frame header (dtype, shape, sizes) without decoding it, or None.
         Lets a caller allocate the right buffer before ``get_into``."""
+        from kvshrink.codec import CodecError, read_header
+
         key = check_key(key)
-        for tier in self.tiers:
-            found = tier.header(key)
-            if found is not None:
-                return found
-        return None
+
+        def look() -> Any:
+            for index, tier in enumerate(self.tiers):
+                parked = self._ledger.parked_frame(key, index)
+                if parked is not None:
+                    try:
+                        return read_header(parked)
+                    except CodecError:
+                        pass
+                if index in self._remote and self._ledger.is_stale(index, key):
+                    continue
+                found = tier.header(key)
+                if found is not None:
+                    return found
+            return None
+
+        return self._settled(key, look)
 
     def contains(self, key: bytes) -> bool:
         """Whether some tier holds ``key`` (a remote answer may be stale by the time you read)."""
-        key = check_key(key)
-        return any(t.contains(key) for t in self.tiers)
+        return self.where(key) is not None
 
     def where(self, key: bytes) -> str | None:
-        """Name of the fastest tier holding ``key``."""
+        """Name of the fastest tier holding ``key`` (a parked chunk: the tier it is bound for)."""
         key = check_key(key)
-        return next((t.name for t in self.tiers if t.contains(key)), None)
+
+        def look() -> str | None:
+            for index, tier in enumerate(self.tiers):
+                if self._ledger.parked_frame(key, index) is not None:
+                    return tier.name
+                if index in self._remote and self._ledger.is_stale(index, key):
+                    continue
+                if tier.contains(key):
+                    return tier.name
+            return None
+
+        return self._settled(key, look)
 
     # -- pinning and removal ---------------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """``contains`` for a batch: local tiers first, then one round trip per remote tier."""
         keys = [check_key(k) for k in keys]
         found = [self._held_locally(k) for k in keys]
-        for tier in self.tiers:
-            missing = [i for i, hit in enumerate(found) if not hit]
-            if tier.batch_reads and missing:
-                for i, hit in zip(missing, tier.contains_many([keys[i] for i in missing])):
+        for index in self._remote:
+            missing = [i for i, hit in enumerate(found) if not hit and not self._ledger.is_stale(index, keys[i])]
+            if missing:
+                for i, hit in zip(missing, self.tiers[index].contains_many([keys[i] for i in missing])):
                     found[i] = hit
         return found
 
@@ -426,21 +1027,33 @@ class TieredStore:
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` from every tier; True if some tier held it. Drop listeners are not
-        told: the return value is the caller's notice."""
+        told: the return value is the caller's notice. Copies in flight between tiers are
+        abandoned (one already writing may still land)."""
         key = check_key(key)
-        return any([tier.delete(key) for tier in self.tiers])
+        parked = self._ledger.forget(key)
+        held = [tier.delete(key) for tier in self.tiers]
+        for index in self._remote:
+            if held[index]:
+                self._ledger.unhide(index, [key])
+        return parked or any(held)
 
     def keys(self, tier: str | None = None) -> list[bytes]:
-        """Keys held by one tier (by name) or by any tier, without duplicates. Listing is best
-        effort: an unreachable tier is logged and left out (its error is counted)."""
+        """Keys held by one tier (by name) or by any tier, without duplicates (a parked chunk
+        counts for the tier it is bound for). Listing is best effort: an unreachable tier is
+        logged and left out (its error is counted)."""
         found: dict[bytes, None] = {}
-        for t in self.tiers:
+        for index, t in enumerate(self.tiers):
             if tier is not None and t.name != tier:
                 continue
             try:
-                found.update(dict.fromkeys(t.keys()))
+                listed = t.keys()
             except StoreUnavailableError as exc:
                 log.warning("listing keys: %s", exc)
+                listed = []
+            if index in self._remote:
+                listed = [k for k in listed if not self._ledger.is_stale(index, k)]
+            found.update(dict.fromkeys(listed))
+            found.update(dict.fromkeys(self._ledger.parked_keys(index)))
         return list(found)
 
     def add_drop_listener(self, listener: DropListener) -> None:
@@ -461,36 +1074,60 @@ class TieredStore:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every put and background job queued so far (and the write-backs they
-        queue) has finished; TimeoutError after ``timeout`` seconds."""
+        queue) has finished, and parked chunks had one more try at their remote tier (those it
+        refuses stay parked, readable); TimeoutError after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         lanes = (self.engine.puts, self.engine.background)
-        while any(lane.pending() for lane in lanes):  # a finishing put may queue a write-back
-            for lane in lanes:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not lane.wait_idle(left):
-                    raise TimeoutError(f"store flush: {lane.name} jobs still running after {timeout} s")
+        pumped = False
+        while True:
+            while any(lane.pending() for lane in lanes):  # a finishing put may queue a write-back
+                for lane in lanes:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if not lane.wait_idle(left):
+                        raise TimeoutError(f"store flush: {lane.name} jobs still running after {timeout} s")
+            if pumped or not self._ledger.parked:
+                return
+            pumped = True
+            self._kick_pump(force=True)
 
     def close(self) -> None:
-        """Finish queued work, then close every tier; stored chunks stay on their media."""
+        """Finish queued work, then close every tier; stored chunks stay on their media. Parked
+        chunks get a last try at their remote tier (those it refuses are dropped, and reported);
+        older copies still hidden on remote tiers are deleted there (best effort)."""
         if self._closed:
             return
         self._closed = True
         self.engine.close()
         try:
             if self.config.persist_on_close:
-                self._persist_down()
+                self._persist_down()  # its evictions may park chunks bound for a remote tier
+            if self._ledger.parked:
+                self._pump_job()
+                self._give_up_parked()
+            self._delete_hidden()
         finally:
             for tier in self.tiers:
                 tier.close()
 
+    def _give_up_parked(self) -> None:
+        """At close: what is still parked will not land; report it dropped."""
+        lost = []
+        while (item := self._ledger.oldest_parked()) is not None:
+            key, entry = item
+            self._ledger.unpark(key, entry)
+            self._give_up(key, entry, "the store closed while the tier refused it")
+            lost.append(key)
+        self._report_dropped(lost)
+
     def _persist_down(self) -> None:
         """Copy every chunk that only tier *i* holds into tier *i+1*, oldest first, so that what
         the slower tier has to evict for them is the oldest too. Runs in ``close`` after the
-        queues drained; a failed copy is counted and logged, the chunk stays where it was."""
+        queues drained; a failed copy is counted and logged, the chunk stays where it was (and
+        after one failure on a remote tier, the rest are not tried: each would wait its timeout)."""
         started, copied, lost = time.monotonic(), 0, []
         for index, (tier, below) in enumerate(zip(self.tiers, self.tiers[1:])):
             for key in tier.keys():
-                if below.contains(key):
+                if self._holds_current(index + 1, key):
                     continue
                 frame = tier.read_frame(key)
                 if frame is None:
@@ -500,12 +1137,28 @@ class TieredStore:
                 except KVShrinkError as exc:
                     self.engine.counters.add("background_errors")
                     log.warning("persisting %s to tier %s failed: %s", key.hex()[:32], below.name, exc)
+                    if index + 1 in self._remote:
+                        break
                     continue
                 tier.counters.add("demotions")
                 copied += 1
         self._report_dropped(lost)
         if copied:
             log.info("close: persisted %d chunks to slower tiers in %.2f s", copied, time.monotonic() - started)
+
+    def _delete_hidden(self) -> None:
+        """Delete from each remote tier the older copies the ledger hides there, so that the next
+        process (which knows nothing of them) does not serve them; stops at the first error."""
+        for index in self._remote:
+            tier = self.tiers[index]
+            for key in list(self._ledger.stale[index]):
+                errors = tier.counters["errors"]
+                tier.delete(key)
+                if tier.counters["errors"] != errors:
+                    log.warning("close: tier %s unreachable; %d older copies stay there",
+                                tier.name, len(self._ledger.stale[index]))
+                    break
+                self._ledger.unhide(index, [key])
 
     def __enter__(self) -> "TieredStore":
         return self
@@ -521,3 +1174,13 @@ class TieredStore:
         with self._lock:
             if self._inflight.get(key) is future:
                 del self._inflight[key]
+
+
+def _decode(frame: bytes, out: Any) -> Any:
+    """A parked frame decoded (into ``out`` when given); None if it does not decode."""
+    from kvshrink.codec import CodecError, decode
+
+    try:
+        return decode(frame, out=out)
+    except CodecError:
+        return None
