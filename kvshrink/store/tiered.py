@@ -5,7 +5,7 @@
   there, False when the engine was full and dropped it (counted). Write-back to ``write_back``
   tiers follows in the background. Before the Future is True, every older copy of the key in the
   other tiers is unreachable: deleted from local tiers, hidden on remote ones until overwritten
-  (see :class:`CopyLedger`).
+  (see :class:`~kvshrink.store.ledger.CopyLedger`).
 * A chunk evicted from tier *i* is demoted to tier *i+1* unless that tier already holds its
   current value (a write-back copy), whose own evictions demote further; the last tier drops.
   Demotion to a local tier runs on the worker that evicted; demotion to a remote tier (Redis) is
@@ -20,7 +20,7 @@
 * ``lock`` / ``unlock`` pin chunks in the local tiers (LMCache's lookup-and-lock); ``header`` gives
   a chunk's dtype and shape before the caller allocates.
 * ``add_drop_listener`` tells an owner (an LMCache adapter mirroring the store's contents) which
-  keys left the store on the store's own initiative; see :class:`DropListeners`.
+  keys left the store on the store's own initiative; see :class:`~kvshrink.store.drops.DropListeners`.
 
 Buffers: ``put`` copies the caller's chunk into a staging buffer and never modifies it; reads
 write only into the ``out`` buffers given. Errors: the KVShrinkError family only; reads never
@@ -38,16 +38,16 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvshrink.errors import KVShrinkError, StoreUnavailableError
 from kvshrink.store.config import StoreConfig, TierConfig
+from kvshrink.store.drops import DROP_COUNTERS, RECENT_DROPS, DropListener, DropListeners  # noqa: F401 (re-exported)
 from kvshrink.store.engine import CopyEngine
-from kvshrink.store.stats import Counters
+from kvshrink.store.ledger import PUMP_RETRY_S, CopyLedger, Move, Parked  # noqa: F401 (re-exported)
 from kvshrink.store.tier import Tier, check_key
 from kvshrink.store import frames
 
@@ -68,372 +68,8 @@ def build_tier(config: TierConfig, is_pinned: Any) -> Tier:
     return RedisTier(config, is_pinned)
 
 
-DropListener = Callable[[list[bytes]], None]
-DROP_COUNTERS = ("keys_dropped", "drop_listener_errors")
-RECENT_DROPS = 4096  # keys remembered as reported, so racing removals of one key report it once
 READ_LOOKS = 3  # a read that missed everywhere while a chunk moved up looks again, this often at most
 EVICTED_WAIT_S = 5.0  # longest a read waits for the demotion of a chunk evicted before it was copied
-PUMP_RETRY_S = 1.0  # after a remote tier refused a parked chunk, the next try waits this long (or a flush)
-
-
-class DropListeners:
-    """Who hears about keys that left the store without a ``delete()`` call.
-
-    A key is *dropped* when a tier removed it on its own and afterwards no tier holds it: evicted
-    from the last tier, evicted from a tier whose demotion below failed or had nothing to move,
-    quarantined (corrupt, or its file vanished) during a read, or given up while parked on its
-    way to Redis (the parking budget spent, or the store closed while Redis refused it; what Redis
-    may hold under the key is hidden from then on). A demotion is not a drop, and neither is an
-    eviction of a key that another tier (a write-back copy, Redis) still holds.
-
-    A notice means the chunk is gone. Local tiers are asked at once; a remote tier (Redis) is
-    never asked on a put's path: a key this process wrote there is taken as held (evictions Redis
-    makes on its own, by maxmemory or TTL, are invisible to the store and never reported), and a
-    key it may hold for another reason (written by an earlier process, or by a write that timed
-    out) is checked in the background and reported only if Redis *answered* that it lacks it. An
-    unreachable or hung Redis therefore never causes a notice: such a key goes unreported, and
-    its owner learns it is gone from a later lookup that misses it. A key whose Redis copy the
-    store hides as an older value (see :class:`CopyLedger`) counts as not held there.
-
-    ``delete()`` never fires listeners: its caller learns the outcome from its return value.
-    Every removal is checked after it happens, so whoever removes a key's last copy reports it,
-    and a key is reported once per drop: the last :data:`RECENT_DROPS` reported keys are
-    remembered (until a tier takes the key again), so two racing removals (an eviction and a
-    read that found the chunk gone) do not report it twice. What the check cannot rule out: a
-    key removed by ``delete()`` at the same instant as an eviction may be reported too, and a
-    key re-``put`` between the check and the report is reported although it is back. An owner
-    that mirrors the store's contents therefore keeps its own set of announced keys and
-    re-checks ``contains`` under its own lock before it reports (as the LMCache MP adapter does).
-
-    Listeners get the keys (no sizes: a tier does not keep a victim's size) on the thread that
-    removed them (a store worker or a reader) or on a background worker (keys checked with
-    Redis), after the store released its locks; they must be quick and must not call
-    ``put``/``flush``/``close`` of this store. An exception in a listener is logged and counted
-    (``drop_listener_errors``), never raised into the store.
-    """
-
-    def __init__(self) -> None:
-        self._listeners: list[DropListener] = []
-        self._recent: dict[bytes, None] = {}  # reported keys, oldest first
-        self._lock = threading.Lock()
-        self.counters = Counters(DROP_COUNTERS)
-
-    def add(self, listener: DropListener) -> None:
-        with self._lock:
-            self._listeners.append(listener)
-
-    def remove(self, listener: DropListener) -> None:
-        """Stop calling ``listener``; unknown listeners are ignored."""
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-    def stored(self, key: bytes) -> None:
-        """A tier took ``key`` (a put, a demotion): its next drop is news again."""
-        with self._lock:
-            self._recent.pop(key, None)
-
-    def fire(self, keys: list[bytes]) -> None:
-        """Count the ``keys`` not reported yet as dropped and tell every listener; never raises."""
-        with self._lock:
-            keys = [k for k in keys if k not in self._recent]
-            self._recent.update(dict.fromkeys(keys))
-            while len(self._recent) > RECENT_DROPS:
-                del self._recent[next(iter(self._recent))]
-            listeners = list(self._listeners)
-        if not keys:
-            return
-        self.counters.add("keys_dropped", len(keys))
-        for listener in listeners:
-            try:
-                listener(keys)
-            except Exception:  # a listener bug must not kill a store worker or fail a put
-                self.counters.add("drop_listener_errors")
-                log.exception("drop listener %r failed on %d keys", listener, len(keys))
-
-
-@dataclass(eq=False)
-class Move:
-    """One copy of a key's frame on its way between tiers (demotion, write-back, promotion).
-    ``doomed``: a put (or delete) of the key came after the frame was read, so it must not land.
-    A move made with ``key=None`` stands for the victims a write has not named yet: it collects
-    the keys superseded while it lives (``superseded``), see :meth:`CopyLedger.adopt`."""
-
-    key: bytes | None
-    doomed: bool = False
-    superseded: set[bytes] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class Parked:
-    """A victim of a local tier on its way to a remote one, held in memory until it lands.
-    ``frame`` is in the source tier's format until the first try converts it for the target."""
-
-    frame: bytes
-    source: int
-    target: int
-    move: Move
-    size: int = 0  # bytes counted against the parking budget
-
-
-class CopyLedger:
-    """What the store knows about copies of keys beyond what each tier says, and the order of
-    copies between tiers against puts of the same key.
-
-    Why: a copy read from one tier lands in another some time later. A put of the key in between
-    must win: the copy must not land after the put made it obsolete, and no older copy may stay
-    readable once the put's Future is True. So every copy registers a :class:`Move` *before* it
-    reads its frame. A put writes its first put tier under that tier's write lock and, still
-    holding it, marks the key *superseding*, dooms every registered move of the key (moves
-    registered meanwhile are born doomed), waits for doomed moves still writing into a local
-    tier, and deletes the key from the other local tiers; a doomed move never starts writing.
-    Demotions out of the first put tier read their frame under its write lock, so a move of the
-    new value cannot exist before the put is done; any other move registered before the put is
-    done may carry an older value (a copy of the new one that is doomed needlessly is redone by
-    the put's own write-back). A put whose write fails retires and dooms nothing.
-
-    Remote tiers (Redis) are never waited for or written on a put's path. The put *hides* the
-    key there instead (``stale``): reads, ``contains`` and drop checks skip a hidden copy, and
-    the next copy of the current value that lands there un-hides it. Hidden copies are deleted
-    from Redis at ``close`` (best effort); until then they cost a set entry each. Copies that
-    land on one remote tier are serialised per key, so a doomed one never overtakes a fresh one.
-    ``backed`` remembers which keys a remote tier holds the current value of (this process wrote
-    it there), so evictions need not ask Redis; ``parked`` holds evicted chunks on their way to
-    Redis, readable meanwhile.
-
-    Limits: a write that Redis applies after the client gave up on it (a hung server that
-    resumes) can land after a newer one. What the ledger knows lives in this process only: after
-    a restart, nothing is hidden or known to be backed (evictions then write to Redis again).
-
-    Thread-safe; ``_cv`` guards everything and is never held across a tier call.
-    """
-
-    def __init__(self, remote: Sequence[int]) -> None:
-        self._cv = threading.Condition()
-        self._moves: dict[bytes, list[Move]] = {}
-        self._open_victims: list[Move] = []  # key=None moves of writes that evict
-        self._landing: Counter[tuple[bytes, int]] = Counter()  # (key, tier) -> moves writing it there now
-        self._superseding: Counter[bytes] = Counter()
-        self.parked: dict[bytes, Parked] = {}  # oldest first
-        self.parked_bytes = 0
-        self._pumping = False  # a job landing parked chunks is queued or running
-        self._pump_failed_at = -PUMP_RETRY_S
-        self.stale: dict[int, set[bytes]] = {t: set() for t in remote}
-        self.backed: dict[int, set[bytes]] = {t: set() for t in remote}
-        self.moved = 0  # chunks moved up or unparked: a read that missed while it changed looks again
-        self._evicting: Counter[bytes] = Counter()  # evicted by a write that did not plan it, not yet demoted
-
-    # -- moves ------------------------------------------------------------------------------------
-    def begin(self, key: bytes) -> Move:
-        """Register a copy of ``key`` about to read its frame; call :meth:`end` when done."""
-        with self._cv:
-            return self._register(key, self._superseding[key] > 0)
-
-    def begin_victims(self) -> Move:
-        """A move for the victims a tier write is about to evict (their keys are known after it)."""
-        move = Move(None)
-        with self._cv:
-            self._open_victims.append(move)
-        return move
-
-    def adopt(self, victims: Move, key: bytes) -> Move:
-        """The move of victim ``key`` of ``victims``: doomed if the key was superseded since."""
-        with self._cv:
-            return self._register(key, key in victims.superseded or self._superseding[key] > 0)
-
-    def end(self, move: Move | None) -> None:
-        """The copy is done (landed, abandoned or failed); ending a move twice is harmless."""
-        if move is None:
-            return
-        with self._cv:
-            if move.key is None:
-                self._open_victims.remove(move)
-            else:
-                self._end_locked(move)
-
-    def _end_locked(self, move: Move) -> None:
-        moves = self._moves.get(move.key, [])
-        if move in moves:
-            moves.remove(move)
-        if not moves:
-            self._moves.pop(move.key, None)
-
-    def _register(self, key: bytes, doomed: bool) -> Move:
-        move = Move(key, doomed)
-        self._moves.setdefault(key, []).append(move)
-        return move
-
-    @contextmanager
-    def landing(self, move: Move | None, key: bytes, index: int) -> Iterator[bool]:
-        """Around a tier write of ``key`` into tier ``index``: yields False (write nothing) when
-        ``move`` is doomed. Writes into a remote tier wait for one of the same key there."""
-        with self._cv:
-            if index in self.stale:
-                self._cv.wait_for(lambda: not self._landing[(key, index)] or (move is not None and move.doomed))
-            ok = move is None or not move.doomed
-            if ok:
-                self._landing[(key, index)] += 1
-        try:
-            yield ok
-        finally:
-            if ok:
-                with self._cv:
-                    self._landing[(key, index)] -= 1
-                    if not self._landing[(key, index)]:
-                        del self._landing[(key, index)]
-                    self._cv.notify_all()
-
-    def landed(self, index: int, key: bytes, move: Move | None) -> None:
-        """A write of ``key`` into tier ``index`` succeeded: on a remote tier, it now holds the
-        current value (unless a put superseded the move meanwhile)."""
-        if index not in self.stale:
-            return
-        with self._cv:
-            if move is None or not move.doomed:
-                self.stale[index].discard(key)
-                self.backed[index].add(key)
-
-    @contextmanager
-    def superseding(self, key: bytes, wait_for: Sequence[int], hide_in: Sequence[int]) -> Iterator[None]:
-        """A put of ``key`` runs inside: every move of the key is doomed, its parked chunk
-        dropped, its copies on the ``hide_in`` tiers hidden, and landings in the ``wait_for``
-        tiers finished before the body runs; moves that begin inside are born doomed."""
-        with self._cv:
-            self._superseding[key] += 1
-            self._doom_locked(key)
-            for index in hide_in:
-                self.stale[index].add(key)
-            self._cv.wait_for(lambda: not any(self._landing[(key, t)] for t in wait_for))
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._superseding[key] -= 1
-                if not self._superseding[key]:
-                    del self._superseding[key]
-
-    def forget(self, key: bytes) -> bool:
-        """``delete`` of ``key``: doom its moves, drop its parked chunk; True if one was parked."""
-        with self._cv:
-            return self._doom_locked(key)
-
-    def _doom_locked(self, key: bytes) -> bool:
-        for move in self._moves.get(key, ()):
-            move.doomed = True
-        for victims in self._open_victims:
-            victims.superseded.add(key)
-        for backed in self.backed.values():
-            backed.discard(key)
-        return self._pop_locked(key, end=True) is not None
-
-    # -- what remote tiers and the parking hold ---------------------------------------------------
-    def holds(self, index: int, key: bytes) -> bool:
-        """Whether remote tier ``index`` is known to hold the current value of ``key``."""
-        with self._cv:
-            return key in self.backed[index] and key not in self.stale[index]
-
-    def is_stale(self, index: int, key: bytes) -> bool:
-        with self._cv:
-            return key in self.stale.get(index, ())
-
-    def hide(self, index: int, key: bytes) -> None:
-        with self._cv:
-            self.stale[index].add(key)
-            self.backed[index].discard(key)
-
-    def unhide(self, index: int, keys: Sequence[bytes]) -> None:
-        with self._cv:
-            self.stale[index].difference_update(keys)
-
-    def forget_backed(self, index: int, key: bytes) -> None:
-        with self._cv:
-            self.backed[index].discard(key)
-
-    def park(self, key: bytes, entry: Parked, budget: int) -> list[tuple[bytes, Parked]]:
-        """Park ``entry``; return the oldest entries taken out to stay within ``budget`` bytes
-        (the caller gives them up)."""
-        with self._cv:
-            self._pop_locked(key, end=True)
-            self.parked[key] = entry
-            self.parked_bytes += entry.size
-            evicted = []
-            while self.parked_bytes > budget and self.parked:
-                oldest = next(iter(self.parked))
-                evicted.append((oldest, self._pop_locked(oldest)))
-            return evicted
-
-    def _pop_locked(self, key: bytes, end: bool = False) -> Parked | None:
-        entry = self.parked.pop(key, None)
-        if entry is not None:
-            self.parked_bytes -= entry.size
-            if end and entry.move is not None:
-                self._end_locked(entry.move)
-        return entry
-
-    def oldest_parked(self) -> tuple[bytes, Parked] | None:
-        with self._cv:
-            return next(iter(self.parked.items()), None)
-
-    def unpark(self, key: bytes, entry: Parked) -> None:
-        with self._cv:
-            if self.parked.get(key) is entry:
-                self._pop_locked(key)
-                self.moved += 1
-
-    def claim_pump(self, force: bool) -> bool:
-        """Whether the caller should queue the pump: chunks are parked, none is queued, and the
-        last refusal is not too recent (``force``: try anyway)."""
-        with self._cv:
-            recent = time.monotonic() - self._pump_failed_at < PUMP_RETRY_S
-            if self._pumping or not self.parked or (recent and not force):
-                return False
-            self._pumping = True
-            return True
-
-    def release_pump(self, failed: bool) -> None:
-        with self._cv:
-            self._pumping = False
-            if failed:
-                self._pump_failed_at = time.monotonic()
-
-    def parked_frame(self, key: bytes, index: int | None = None) -> bytes | None:
-        """The parked frame of ``key`` (bound for tier ``index`` when given), or None."""
-        with self._cv:
-            entry = self.parked.get(key)
-        if entry is None or (index is not None and entry.target != index):
-            return None
-        return entry.frame
-
-    def parked_keys(self, index: int) -> list[bytes]:
-        with self._cv:
-            return [k for k, e in self.parked.items() if e.target == index]
-
-    def note_moved(self) -> None:
-        with self._cv:
-            self.moved += 1
-
-    def evicting(self, key: bytes) -> None:
-        """A tier is evicting ``key`` before its demotion (a victim the write did not plan): for
-        a moment no tier holds it. Call :meth:`evicted` once it was demoted (or given up)."""
-        with self._cv:
-            self._evicting[key] += 1
-            self.moved += 1
-
-    def evicted(self, keys: Sequence[bytes]) -> None:
-        with self._cv:
-            for key in keys:
-                self._evicting[key] -= 1
-                if self._evicting[key] <= 0:
-                    del self._evicting[key]
-            self._cv.notify_all()
-
-    def wait_evicted(self, key: bytes, timeout: float) -> bool:
-        """Wait until ``key`` is no longer between eviction and demotion; False if it was not."""
-        with self._cv:
-            if not self._evicting[key]:
-                return False
-            self._cv.wait_for(lambda: not self._evicting[key], timeout)
-            return True
 
 
 def _done(value: bool) -> Future:

@@ -9,7 +9,6 @@ import time
 import uuid
 
 import numpy as np
-import pytest
 
 from kvshrink.store import TieredStore
 
