@@ -52,16 +52,11 @@ def store_record(source: "str | Path | None" = None, source_key: str = "--store-
 
 def load_store_mapping(source: "str | Path | None" = None, source_key: str = "--store-config") -> dict[str, Any]:
     """A store YAML (default: the shipped default) as a plain mapping, not yet validated."""
-    import yaml
+    from kvshrink.config_checks import load_yaml
 
     path = _existing(source, source_key)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(source_key, f"cannot read {path}: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(source_key, f"{path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, Mapping) or not isinstance(data.get("tiers"), list):
+    data = load_yaml(path, source_key)
+    if not isinstance(data.get("tiers"), list):
         raise ConfigError(source_key, f"{path} is not a store config (a mapping with a 'tiers' list)")
     return dict(data)
 
@@ -101,7 +96,7 @@ def derive_store(source: "str | Path | None" = None, *, paths: Mapping[str, "str
     try:
         parse_store_config(data)
     except ConfigError as exc:
-        raise ConfigError(f"{where}:{exc.key}", str(exc).split(": ", 1)[-1]) from exc
+        raise ConfigError(source_key if exc.key is None else f"{where}:{exc.key}", exc.reason) from exc
     return data
 
 

@@ -20,11 +20,19 @@ class StoreUnavailableError(KVShrinkError, ConnectionError):
 
 
 class ConfigError(KVShrinkError, ValueError):
-    """A configuration value is wrong; the message names the key to fix."""
+    """A configuration value is wrong. ``key`` is the setting to fix as the operator spells it
+    (``store.tiers[1].path``; None when no single setting is to blame, e.g. an unreadable file
+    before a caller names the setting that holds its path); ``reason`` says what is wrong with it.
+    Callers that re-home a key (a store inside a serve-cache file) build a new error from these two
+    fields, never from the message."""
 
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config key {key!r}: {message}")
+    def __init__(self, key: str | None, reason: str) -> None:
+        super().__init__(reason if key is None else f"config key {key!r}: {reason}")
         self.key = key
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # survive pickling (process pools) with both fields
+        return (type(self), (self.key, self.reason))
 
 
 class InvalidKeyError(KVShrinkError, TypeError, ValueError):

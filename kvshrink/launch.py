@@ -168,15 +168,17 @@ class LMCacheServer(ManagedProcess):
     def __init__(self, *, port: int | None = None, l1_size_gb: float = 1.0, l2_adapters: Sequence[Mapping[str, Any]] = (),
                  chunk_size: int = 256, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_path: Path | None = None, python: str = sys.executable) -> None:
+        # The command line serve-cache would run, with a test's choices: free loopback ports, so
+        # that servers of parallel tests and benchmarks never collide.
+        from kvshrink.storage_backends.serve_cache import ServerFlags, lmcache_server_argv
+
         self.port = port or free_port()
         self.http_port = free_port()
-        argv = [python, "-m", "lmcache.cli.main", "server", "--host", "localhost", "--port", str(self.port),
-                "--http-host", LOOPBACK, "--http-port", str(self.http_port), "--prometheus-port", str(free_port()),
-                "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-                "--chunk-size", str(chunk_size)]
-        for adapter in l2_adapters:
-            argv += ["--l2-adapter", json.dumps(adapter)]
-        super().__init__(argv + list(extra_args), env={"LMCACHE_DISABLE_BANNER": "1", **(env or {})}, log_path=log_path)
+        flags = ServerFlags(host="localhost", port=self.port, http_host=LOOPBACK, http_port=self.http_port,
+                            prometheus_port=free_port(), l1_size_gb=l1_size_gb, chunk_size=chunk_size,
+                            supported_transfer_mode="auto", extra_args=tuple(extra_args))
+        super().__init__(lmcache_server_argv(flags, l2_adapters, python),
+                         env={"LMCACHE_DISABLE_BANNER": "1", **(env or {})}, log_path=log_path)
 
     @property
     def http_url(self) -> str:

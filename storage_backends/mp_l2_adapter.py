@@ -79,11 +79,9 @@ class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "KVShrinkL2AdapterConfig":
-        if not isinstance(d, Mapping):
-            raise ConfigError("adapter_params", f"expected a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - _ALLOWED_PARAMS)
-        if unknown:
-            raise ConfigError(f"{PARAMS_PREFIX}{unknown[0]}", f"unknown key; expected one of {sorted(_ALLOWED_PARAMS)}")
+        from kvshrink.config_checks import mapping_value, workers_value
+
+        d = mapping_value(d, PARAMS_PREFIX.rstrip("."), _ALLOWED_PARAMS)
         if ("config" in d) == ("store" in d):
             raise ConfigError(f"{PARAMS_PREFIX}config",
                               "give exactly one of 'config' (a store YAML path) or 'store' (the mapping inline)")
@@ -95,9 +93,7 @@ class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
         else:
             source = d["store"]
             store_config = load_store_config(source, f"{PARAMS_PREFIX}store.", f"{PARAMS_PREFIX}store")
-        workers = d.get("workers", DEFAULT_WORKERS)
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ConfigError(f"{PARAMS_PREFIX}workers", f"expected an integer >= 1, got {workers!r}")
+        workers = workers_value(d.get("workers", DEFAULT_WORKERS), f"{PARAMS_PREFIX}workers")
         return cls(source, store_config, workers)
 
     @classmethod

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kvshrink.config_checks import reject_unknown, workers_value
 from kvshrink.errors import ConfigError
 from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config
 
@@ -50,9 +51,7 @@ class PluginSettings:
                                                     "LMCache's LocalCPUBackend (scheduler-side lookups are "
                                                     "not supported)")
         extra: Mapping[str, Any] = config.extra_config or {}
-        unknown = sorted(k for k in extra if k.startswith(PREFIX) and k not in KNOWN_KEYS)
-        if unknown:
-            raise ConfigError(f"extra_config.{unknown[0]}", f"unknown key; expected one of {sorted(KNOWN_KEYS)}")
+        reject_unknown([k for k in extra if str(k).startswith(PREFIX)], KNOWN_KEYS, "extra_config")  # ours only
         has_path, has_inline = CONFIG_KEY in extra, STORE_KEY in extra
         if has_path == has_inline:
             raise ConfigError(f"extra_config.{CONFIG_KEY}", f"set exactly one of {CONFIG_KEY} (a store YAML path) "
@@ -67,9 +66,7 @@ class PluginSettings:
         else:
             key_prefix, source_key = f"extra_config.{STORE_KEY}.", f"extra_config.{STORE_KEY}"
             store = load_store_config(extra[STORE_KEY], key_prefix, source_key)
-        read_workers = extra.get(READ_WORKERS_KEY, 2)
-        if isinstance(read_workers, bool) or not isinstance(read_workers, int) or read_workers < 1:
-            raise ConfigError(f"extra_config.{READ_WORKERS_KEY}", f"expected an integer >= 1, got {read_workers!r}")
+        read_workers = workers_value(extra.get(READ_WORKERS_KEY, 2), f"extra_config.{READ_WORKERS_KEY}")
         return cls(store_source=store, key_prefix=key_prefix, source_key=source_key,
                    memory_format=expected_memory_format(config, metadata), read_workers=read_workers)
 

@@ -4,37 +4,113 @@ the shipped default store (``kvshrink.configs.default_store_path()``, ``store-de
 
 The file has three sections::
 
-    server:   {port, http_port, l1_size_gb, chunk_size, extra_args}   # `lmcache server` flags
+    server:   {host, port, http_host, http_port, prometheus_port, l1_size_gb, chunk_size,
+               supported_transfer_mode, extra_args}                   # `lmcache server` flags
     adapter:  {workers}                                               # optional
     store:    {tiers: [...], engine: {...}}   # a store mapping, or the path of a store YAML
 
 Everything is validated here first (``ConfigError`` names the key, e.g. ``store.tiers[1].path``;
-the SSD directory, /dev/shm room and Redis are checked too), then ``lmcache server`` is started
-through :class:`kvshrink.launch.LMCacheServer` and kept running until SIGINT / SIGTERM.
+the SSD directory, /dev/shm room and Redis are checked too, creating nothing). Then one pure
+function, :func:`lmcache_server_argv`, turns the config into the ``lmcache server`` command line:
+``--check`` prints exactly that list and exits; otherwise it runs as a child process until SIGINT /
+SIGTERM. The test and benchmark launcher (``kvshrink.launch.LMCacheServer``) builds its command with
+the same function, passing its own choices (free loopback ports); nothing here imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kvshrink.config_checks import (int_value, load_yaml, mapping_value, number_value, one_of, port_value,
+                                    reject_unknown, workers_value)
 from kvshrink.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvshrink.launch import LMCacheServer
     from kvshrink.store import StoreConfig
 
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 ADAPTER_CLASS = "KVShrinkL2Adapter"
+TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")  # lmcache server's choices
 _SECTIONS = {"server", "adapter", "store"}
-_SERVER_KEYS = {"port", "http_port", "l1_size_gb", "chunk_size", "extra_args"}
 _ADAPTER_KEYS = {"workers"}
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class ServerFlags:
+    """The ``lmcache server`` flags serve-cache sets (its ``server`` section). Defaults are a
+    service's, not a test's: LMCache's own ports (5555 requests on localhost, 8080 admin HTTP on
+    loopback only — it has no authentication —, 9090 Prometheus), and transfer mode ``auto``
+    (vLLM CPU's registration is refused without it; CUDA engines work with it too)."""
+
+    host: str = "localhost"
+    port: int = 5555
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    prometheus_port: int = 9090
+    l1_size_gb: float = 2.0
+    chunk_size: int = 256
+    supported_transfer_mode: str = "auto"
+    extra_args: tuple[str, ...] = ()  # any other lmcache server flags, verbatim, last (so they win)
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any], where: str = "server") -> "ServerFlags":
+        """Validate a ``server`` section; missing keys take the defaults above."""
+        reject_unknown(section, {f.name for f in fields(cls)}, where)
+        d = cls()
+        extra = section.get("extra_args", [])
+        if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
+            raise ConfigError(f"{where}.extra_args", f"expected a list of command-line words, got {extra!r}")
+        return cls(host=_host(section.get("host", d.host), f"{where}.host"),
+                   port=port_value(section.get("port", d.port), f"{where}.port"),
+                   http_host=_host(section.get("http_host", d.http_host), f"{where}.http_host"),
+                   http_port=port_value(section.get("http_port", d.http_port), f"{where}.http_port"),
+                   prometheus_port=port_value(section.get("prometheus_port", d.prometheus_port),
+                                              f"{where}.prometheus_port"),
+                   l1_size_gb=number_value(section.get("l1_size_gb", d.l1_size_gb), f"{where}.l1_size_gb", above=True),
+                   chunk_size=int_value(section.get("chunk_size", d.chunk_size), f"{where}.chunk_size", 1, 1 << 20),
+                   supported_transfer_mode=one_of(section.get("supported_transfer_mode", d.supported_transfer_mode),
+                                                  TRANSFER_MODES, f"{where}.supported_transfer_mode"),
+                   extra_args=tuple(str(a) for a in extra))
+
+    @property
+    def http_url(self) -> str:
+        """Where this machine reaches the admin HTTP server (/healthcheck, /status)."""
+        host = _reachable(self.http_host, "127.0.0.1")
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.http_port}"
+
+
+def lmcache_server_argv(server: ServerFlags, l2_adapters: Sequence[Mapping[str, Any]] = (),
+                        python: str = sys.executable) -> list[str]:
+    """The exact ``lmcache server`` command line for ``server`` and these ``--l2-adapter`` specs.
+    Pure: reads nothing, creates nothing. Every flag is spelled out, so the line does not depend on
+    LMCache's defaults; ``extra_args`` come last and so override any of them."""
+    argv = [python, "-m", "lmcache.cli.main", "server", "--host", server.host, "--port", str(server.port),
+            "--http-host", server.http_host, "--http-port", str(server.http_port),
+            "--prometheus-port", str(server.prometheus_port), "--l1-size-gb", str(server.l1_size_gb),
+            "--eviction-policy", "LRU", "--supported-transfer-mode", server.supported_transfer_mode,
+            "--chunk-size", str(server.chunk_size)]
+    for adapter in l2_adapters:
+        argv += ["--l2-adapter", json.dumps(adapter)]
+    return argv + list(server.extra_args)
+
+
+def connector_config(server: ServerFlags) -> dict[str, Any]:
+    """vLLM ``--kv-transfer-config`` that attaches an engine on this machine to ``server``."""
+    return {"kv_connector": "LMCacheMPConnector",
+            "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{_reachable(server.host, 'localhost')}",
+                                          "lmcache.mp.port": server.port}}
 
 
 @dataclass(frozen=True)
@@ -43,23 +119,22 @@ class ServeCacheConfig:
 
     store: "StoreConfig"
     adapter_params: dict[str, Any]  # exactly what the adapter will receive
-    port: int = 5555
-    http_port: int = 8080
-    l1_size_gb: float = 2.0
-    chunk_size: int = 256
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    server: ServerFlags = field(default_factory=ServerFlags)
 
     def l2_adapter_spec(self) -> dict[str, Any]:
         """The ``--l2-adapter`` JSON for ``lmcache server``."""
         return {"type": "plugin", "module_path": ADAPTER_MODULE, "class_name": ADAPTER_CLASS,
                 "adapter_params": self.adapter_params}
 
+    def argv(self, python: str = sys.executable) -> list[str]:
+        """What ``serve-cache`` runs (and ``--check`` prints)."""
+        return lmcache_server_argv(self.server, [self.l2_adapter_spec()], python)
+
 
 def load_serve_config(path: "str | Path | None" = None, *, check_services: bool = True) -> ServeCacheConfig:
     """Parse and check a serve-cache YAML (None: the defaults, with the shipped default store);
-    :class:`ConfigError` names the key to fix."""
-    import yaml
-
+    :class:`ConfigError` names the key to fix. ``check_services`` also checks the machine
+    (directories, /dev/shm, Redis), reading only."""
     from kvshrink.configs import default_store_path
     from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config, preflight
 
@@ -67,137 +142,136 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
         path, data = default_store_path(), {"store": str(default_store_path())}
     else:
         path = Path(path).expanduser()
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ConfigError("--config", f"cannot read {path}: {exc.strerror or exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, Mapping):
-        raise ConfigError("<root>", f"{path} must hold a mapping with server / adapter / store sections")
-    _reject_unknown(data, _SECTIONS, "")
-    server = _section(data, "server", _SERVER_KEYS)
-    adapter = _section(data, "adapter", _ADAPTER_KEYS)
+        data = load_yaml(path, "--config")
+    reject_unknown(data, _SECTIONS)
+    server = ServerFlags.from_section(mapping_value(data.get("server"), "server"))
+    adapter = mapping_value(data.get("adapter"), "adapter", _ADAPTER_KEYS)
     if "store" not in data:
         raise ConfigError("store", "required: the store tiers (a mapping) or the path of a store YAML")
     source = data["store"]
     if isinstance(source, str):
         store_path = (path.parent / Path(source).expanduser()).resolve()
-        store = load_store_config(store_path, file_key_prefix(store_path), "store")
-        params: dict[str, Any] = {"config": str(store_path)}
         prefix = file_key_prefix(store_path)
+        store = load_store_config(store_path, prefix, "store")
+        params: dict[str, Any] = {"config": str(store_path)}
     else:
-        store = load_store_config(source, "store.", "store")
-        params = {"store": source}
         prefix = "store."
+        store = load_store_config(source, prefix, "store")
+        params = {"store": source}
     if "workers" in adapter:
-        params["workers"] = _int(adapter["workers"], "adapter.workers", 1, 256)
+        params["workers"] = workers_value(adapter["workers"], "adapter.workers")
     if check_services:
         preflight(store, prefix)
-    extra = server.get("extra_args", [])
-    if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
-        raise ConfigError("server.extra_args", f"expected a list of command-line words, got {extra!r}")
-    return ServeCacheConfig(store=store, adapter_params=params,
-                            port=_int(server.get("port", 5555), "server.port", 1, 65535),
-                            http_port=_int(server.get("http_port", 8080), "server.http_port", 1, 65535),
-                            l1_size_gb=_positive(server.get("l1_size_gb", 2.0), "server.l1_size_gb"),
-                            chunk_size=_int(server.get("chunk_size", 256), "server.chunk_size", 1, 1 << 20),
-                            extra_args=tuple(str(a) for a in extra))
-
-
-def build_server(config: ServeCacheConfig, log_path: Path | None = None) -> "LMCacheServer":
-    """An (unstarted) ``lmcache server`` with our adapter, on the configured ports."""
-    from kvshrink.launch import LMCacheServer
-
-    server = LMCacheServer(port=config.port, l1_size_gb=config.l1_size_gb, l2_adapters=[config.l2_adapter_spec()],
-                           chunk_size=config.chunk_size, extra_args=config.extra_args, log_path=log_path)
-    # LMCacheServer picks a free HTTP port for tests; a service wants the configured one
-    server.argv[server.argv.index("--http-port") + 1] = str(config.http_port)
-    server.http_port = config.http_port
-    return server
+    return ServeCacheConfig(store=store, adapter_params=params, server=server)
 
 
 # -- the command ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ServerFlags()
     parser.add_argument("--config", type=Path, default=None,
-                        help=f"serve-cache YAML (see configs/serve-cache-*.yaml); default: ports "
-                             f"{ServeCacheConfig.port} / {ServeCacheConfig.http_port}, {ServeCacheConfig.l1_size_gb:g} "
-                             f"GB L1, chunk size {ServeCacheConfig.chunk_size}, and the shipped default store "
-                             "(store-default.yaml)")
+                        help=f"serve-cache YAML (see configs/serve-cache-*.yaml); default: ports {d.port} / "
+                             f"{d.http_port} / {d.prometheus_port} (Prometheus), {d.l1_size_gb:g} GB L1, chunk "
+                             f"size {d.chunk_size}, and the shipped default store (store-default.yaml)")
     parser.add_argument("--check", action="store_true",
-                        help="validate the file and the machine (directories, /dev/shm, Redis), print the "
-                             "lmcache server command line, and exit")
+                        help="validate the file and the machine (directories, /dev/shm, Redis), print the exact "
+                             "lmcache server command line, and exit; creates nothing")
     parser.add_argument("--log-file", type=Path, default=None, help="where lmcache server logs (default: a temp file)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /healthcheck")
 
 
 def run(args: argparse.Namespace) -> int:
+    import shlex
+
     try:
         config = load_serve_config(args.config)
     except ConfigError as exc:
         print(f"kvshrink serve-cache: {args.config or 'default configuration'}: {exc}", file=sys.stderr)
         return 2
-    server = build_server(config, args.log_file)
     if args.check:
-        print(" ".join(_shell_quote(a) for a in server.argv))
+        print(shlex.join(config.argv()))
         return 0
-    return _serve(server, args.ready_timeout)
+    return _serve(config, args.log_file, args.ready_timeout)
 
 
-def _serve(server: "LMCacheServer", ready_timeout: float) -> int:
-    from kvshrink.launch import ServerStartError, log_tail
+def _serve(config: ServeCacheConfig, log_path: Path | None, ready_timeout: float) -> int:
+    """Run ``config.argv()`` in its own process group until it exits or we get SIGINT / SIGTERM;
+    0 after a requested stop, 1 if the server failed to start or died."""
+    import tempfile
 
-    stop_requested = []
-    previous = {sig: signal.signal(sig, lambda s, _f: stop_requested.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if log_path is None:
+        log_path = Path(tempfile.mkstemp(prefix="kvshrink-serve-cache-", suffix=".log")[1])
+    stop_requested: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: stop_requested.append(s))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(config.argv(), env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    server = config.server
     try:
-        try:
-            server.start(timeout=ready_timeout)
-        except ServerStartError as exc:
-            print(f"kvshrink serve-cache: lmcache server did not start:\n{exc}", file=sys.stderr)
-            return 1
-        print(f"kvshrink serve-cache: ready on tcp://localhost:{server.port} (status: {server.http_url}/status, "
-              f"log: {server.log_path})", flush=True)
-        print("vLLM --kv-transfer-config '" + json.dumps(server.connector_config()) + "'", flush=True)
+        deadline, ready = time.monotonic() + ready_timeout, False
         while not stop_requested:
-            if not server.running:
-                print(f"kvshrink serve-cache: lmcache server exited:\n{log_tail(server.log_path)}", file=sys.stderr)
+            if proc.poll() is not None:
+                print(f"kvshrink serve-cache: lmcache server exited with {proc.returncode}:\n{_tail(log_path)}",
+                      file=sys.stderr)
+                return 1
+            if not ready and _healthy(f"{server.http_url}/healthcheck"):
+                ready = True
+                print(f"kvshrink serve-cache: ready on tcp://{_reachable(server.host, 'localhost')}:{server.port} "
+                      f"(status: {server.http_url}/status, log: {log_path})", flush=True)
+                print("vLLM --kv-transfer-config '" + json.dumps(connector_config(server)) + "'", flush=True)
+            elif not ready and time.monotonic() > deadline:
+                print(f"kvshrink serve-cache: lmcache server not healthy after {ready_timeout:g} s:\n{_tail(log_path)}",
+                      file=sys.stderr)
                 return 1
             time.sleep(0.5)
         return 0
     finally:
-        server.stop()
+        _stop(proc)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-# -- validation helpers --------------------------------------------------------------------------
-def _section(data: Mapping[str, Any], name: str, allowed: set[str]) -> Mapping[str, Any]:
-    section = data.get(name) or {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(name, f"expected a mapping, got {type(section).__name__}")
-    _reject_unknown(section, allowed, name)
-    return section
+def _stop(proc: "subprocess.Popen[bytes]", timeout: float = 30.0) -> None:
+    """SIGTERM to the server (it stops its own children and closes the store), SIGKILL to its
+    process group if it has not exited within ``timeout``; then SIGKILL to any straggler."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"kvshrink serve-cache: lmcache server ignored SIGTERM for {timeout:g} s; killing it",
+                  file=sys.stderr)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
-def _reject_unknown(data: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
-    for key in data:
-        if key not in allowed:
-            raise ConfigError(f"{prefix}.{key}" if prefix else str(key), f"unknown key; expected one of {sorted(allowed)}")
+def _healthy(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
-def _int(value: Any, key: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(key, f"expected an integer in [{low}, {high}], got {value!r}")
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _host(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
+        raise ConfigError(key, f"expected a host name or address, got {value!r}")
     return value
 
 
-def _positive(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(key, f"expected a number > 0, got {value!r}")
-    return float(value)
-
-
-def _shell_quote(word: str) -> str:
-    import shlex
-
-    return shlex.quote(word)
+def _reachable(host: str, local: str) -> str:
+    """``host`` as a client on this machine dials it: a wildcard bind address means ``local``."""
+    return local if host in _WILDCARDS else host

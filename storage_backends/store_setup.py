@@ -42,10 +42,8 @@ def load_store_config(source: "str | Path | Mapping[str, Any] | StoreConfig", ke
             raise ConfigError(source_key, f"store config file {str(path)!r} does not exist")
     try:
         return StoreConfig.load(source)
-    except ConfigError as exc:
-        if exc.key == "<file>":
-            raise ConfigError(source_key, _reason(exc)) from exc
-        raise ConfigError(f"{key_prefix}{exc.key}", _reason(exc)) from exc
+    except ConfigError as exc:  # re-home the key: None is the file itself, named by source_key
+        raise ConfigError(source_key if exc.key is None else f"{key_prefix}{exc.key}", exc.reason) from exc
 
 
 def file_key_prefix(path: "str | Path") -> str:
@@ -55,7 +53,7 @@ def file_key_prefix(path: "str | Path") -> str:
 
 def preflight(config: "StoreConfig", key_prefix: str) -> None:
     """Check what the YAML cannot: codec methods exist, SSD directories are writable, DRAM tiers fit
-    in /dev/shm, Redis answers."""
+    in /dev/shm, Redis answers. Reads only: no directory, arena or key is created."""
     from kvshrink.codec import METHODS
 
     dram_tiers: list["TierConfig"] = []
@@ -82,33 +80,42 @@ def open_store(source: "str | Path | Mapping[str, Any] | StoreConfig", key_prefi
     try:
         return TieredStore(config)
     except (KVShrinkError, OSError) as exc:
-        raise ConfigError(_tier_key(config, str(exc), key_prefix), f"cannot open the store: {exc}") from exc
+        index = _failed_tier(exc, config)
+        key = f"{key_prefix}tiers[{index}]" if index is not None else key_prefix.rstrip(".:") or source_key
+        raise ConfigError(key, f"cannot open the store: {exc}") from exc
 
 
-def _tier_key(config: "StoreConfig", message: str, key_prefix: str) -> str:
-    """``<prefix>tiers[i]`` of the tier a store error message names, else the store itself."""
+def _failed_tier(exc: BaseException, config: "StoreConfig") -> int | None:
+    """Index of the tier whose opening raised ``exc``: TieredStore opens tiers one at a time with
+    ``build_tier(tier_config, ...)``, so the innermost such call in the traceback holds the exact
+    TierConfig (an object, not a name guessed from the message). None: the store failed elsewhere."""
+    from kvshrink.store.tiered import build_tier
+
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is build_tier.__code__:
+            found = tb.tb_frame.f_locals.get("config")
+        tb = tb.tb_next
     for index, tier in enumerate(config.tiers):
-        if f"tier {tier.name}:" in message:
-            return f"{key_prefix}tiers[{index}]"
-    return key_prefix.rstrip(".") or "<store>"
-
-
-def _reason(exc: ConfigError) -> str:
-    """The message of a ConfigError without its ``config key '...': `` preamble."""
-    text = str(exc)
-    marker = ": "
-    return text.split(marker, 1)[1] if text.startswith("config key ") and marker in text else text
+        if tier is found:
+            return index
+    return None
 
 
 def _check_directory(path: Path, key: str) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(key, f"cannot create directory {str(path)!r}: {exc.strerror or exc}") from exc
-    if not path.is_dir():
-        raise ConfigError(key, f"{str(path)!r} exists and is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(key, f"directory {str(path)!r} is not writable by this user")
+    """The store can create or use ``path``: it is a writable directory, or the nearest existing
+    folder above it is. Creates nothing (``serve-cache --check`` must leave the machine as it was);
+    the SSD tier makes its directories when it opens."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = f"{str(existing)!r} exists and is not a directory"
+        raise ConfigError(key, what if existing == path else f"cannot create directory {str(path)!r}: {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"directory {str(existing)!r} is not writable by this user"
+                               + ("" if existing == path else f", so {str(path)!r} cannot be created"))
 
 
 def _check_shm_room(tiers: "list[TierConfig]", key: str) -> None:

@@ -29,6 +29,21 @@ def test_in_the_family_and_still_a_runtime_error(cls: type[Exception]) -> None:
     assert issubclass(cls, RuntimeError)
 
 
+def test_config_error_has_key_and_reason_and_survives_pickling() -> None:
+    import pickle
+
+    from kvshrink.errors import ConfigError
+
+    err = ConfigError("tiers[1].capacity", "must be greater than zero")
+    assert isinstance(err, KVShrinkError) and isinstance(err, ValueError)
+    assert (err.key, err.reason, str(err)) == ("tiers[1].capacity", "must be greater than zero",
+                                               "config key 'tiers[1].capacity': must be greater than zero")
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is ConfigError and (copy.key, copy.reason, str(copy)) == (err.key, err.reason, str(err))
+    whole_file = ConfigError(None, "/etc/x.yaml is not valid YAML at line 3, column 1: ...")
+    assert whole_file.key is None and str(whole_file) == whole_file.reason
+
+
 def test_submit_after_close_is_channel_closed_error() -> None:
     runner = L2TaskRunner("family", workers=1)
     runner.close()

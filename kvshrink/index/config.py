@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from kvshrink.config_checks import int_value, load_yaml, mapping_value, number_value, reject_unknown
 from kvshrink.errors import ConfigError
 from kvshrink.index.block_index import TIERS
 
@@ -95,15 +94,7 @@ class IndexConfig:
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> IndexConfig:
     """Read ``path`` (YAML) if given, apply ``overrides``, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError("<file>", f"cannot read {path}: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("<root>", "the file must hold a mapping")
-        data = loaded or {}
+    data = load_yaml(path) if path is not None else {}
     data = {**data, **(overrides or {})}
     return config_from_dict(data)
 
@@ -117,12 +108,9 @@ def config_from_dict(data: Mapping[str, Any]) -> IndexConfig:
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if isinstance(data, cls):
         return data
-    if not isinstance(data, Mapping):
-        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(prefix + unknown[0], f"unknown key (known: {', '.join(sorted(fields))})")
+    data = mapping_value(data, prefix.rstrip(".") or "<root>")
+    reject_unknown(data, fields, prefix.rstrip("."))
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = prefix + name
@@ -144,23 +132,17 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def _validate(cfg: IndexConfig) -> None:
     _check_type(cfg.host, str, "host")
-    if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
-        raise ConfigError("port", "must be an integer in [0, 65535]")
+    int_value(cfg.port, "port", 0, 65535)  # 0: any free port
     for name in ("max_body_bytes", "max_request_tokens", "max_blocks", "max_position_keys", "max_instances",
                  "lmcache_chunk_size"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(name, "must be a positive integer")
+        int_value(getattr(cfg, name), name, 1)
     for name in ("heartbeat_timeout_s", "scrape_interval_s", "scrape_timeout_s"):
-        value = getattr(cfg, name)
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(name, "must be a non-negative number (0 disables)")
+        number_value(getattr(cfg, name), name)  # 0 disables
     if not all(isinstance(b, int) and b > 0 for b in cfg.lookup_block_sizes):
         raise ConfigError("lookup_block_sizes", "must be positive integers")
     if not isinstance(cfg.zmq.bind, list) or not isinstance(cfg.zmq.connect, list):
         raise ConfigError("zmq.bind", "zmq.bind and zmq.connect must be lists of endpoints")
-    if cfg.zmq.replay_timeout_s <= 0:
-        raise ConfigError("zmq.replay_timeout_s", "must be positive")
+    number_value(cfg.zmq.replay_timeout_s, "zmq.replay_timeout_s", above=True)
     s = cfg.scoring
     if not isinstance(s.tier_weights, dict):
         raise ConfigError("scoring.tier_weights", "expected a mapping tier -> weight")
@@ -169,14 +151,10 @@ def _validate(cfg: IndexConfig) -> None:
         raise ConfigError("scoring.tier_weights", f"unknown tier {sorted(unknown)[0]!r} (tiers: {', '.join(TIERS)})")
     s.tier_weights = {**ScoringConfig().tier_weights, **s.tier_weights}
     for tier, weight in s.tier_weights.items():
-        if not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
-            raise ConfigError(f"scoring.tier_weights.{tier}", "must be a number in [0, 1]")
+        number_value(weight, f"scoring.tier_weights.{tier}", 0, maximum=1)
     for name in ("hit_length_weight", "media_speed_weight", "load_weight"):
-        value = getattr(s, name)
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"scoring.{name}", "must be a non-negative number")
-    if not isinstance(s.overload_factor, (int, float)) or s.overload_factor < 1:
-        raise ConfigError("scoring.overload_factor", "must be a number >= 1")
+        number_value(getattr(s, name), f"scoring.{name}")
+    number_value(s.overload_factor, "scoring.overload_factor", 1)
     for key, mapping in (("vllm_media", cfg.vllm_media), ("lmcache_tiers", cfg.lmcache_tiers)):
         if not isinstance(mapping, dict):
             raise ConfigError(key, "expected a mapping")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvshrink.config_checks import bool_value, int_value, load_yaml, mapping_value, number_value, one_of, reject_unknown
 from kvshrink.errors import ConfigError
 
 EVICTION_POLICIES = ("lru", "fifo")
@@ -82,6 +83,7 @@ class EngineConfig:
     put_queue: int = 64
     background_queue: int = 256
     staging_bytes: int = 512 * 2**20
+    codec_threads: int | None = None  # process-wide codec thread budget (kvshrink.codec.cpu_budget); None: auto
 
 
 @dataclass(frozen=True)
@@ -95,20 +97,13 @@ class StoreConfig:
 
     @classmethod
     def load(cls, source: "str | Path | Mapping[str, Any] | StoreConfig") -> "StoreConfig":
-        """From a YAML file path, a dict with the same structure, or an existing config."""
+        """From a YAML file path, a dict with the same structure, or an existing config. A file that
+        cannot be read or parsed is a ConfigError with ``key`` None (the caller knows which setting
+        named the file); a bad value names its key within the file."""
         if isinstance(source, StoreConfig):
             return source
         if isinstance(source, (str, Path)):
-            import yaml
-
-            path = Path(source)
-            try:
-                data = yaml.safe_load(path.read_text())
-            except OSError as exc:
-                raise ConfigError("<file>", f"cannot read {path}: {exc}") from exc
-            except yaml.YAMLError as exc:
-                raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from exc
-            return parse_store_config(data)
+            return parse_store_config(load_yaml(source))
         return parse_store_config(source)
 
 
@@ -123,7 +118,7 @@ _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 def parse_store_config(data: Any) -> StoreConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", f"expected a mapping with a 'tiers' list, got {type(data).__name__}")
-    _reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close"}, "")
+    reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close"})
     tiers_data = data.get("tiers")
     if not isinstance(tiers_data, list) or not tiers_data:
         raise ConfigError("tiers", "expected a non-empty list of tiers, fastest first")
@@ -135,8 +130,8 @@ def parse_store_config(data: Any) -> StoreConfig:
     if not any(t.put for t in tiers):
         tiers = (replace(tiers[0], put=True),) + tiers[1:]
     engine = _parse_engine(data.get("engine", {}))
-    promote = _bool(data.get("promote_on_hit", True), "promote_on_hit")
-    persist = _bool(data.get("persist_on_close", False), "persist_on_close")
+    promote = bool_value(data.get("promote_on_hit", True), "promote_on_hit")
+    persist = bool_value(data.get("persist_on_close", False), "persist_on_close")
     return StoreConfig(tiers=tiers, engine=engine, promote_on_hit=promote, persist_on_close=persist)
 
 
@@ -144,11 +139,9 @@ def _parse_tier(data: Any, index: int) -> TierConfig:
     prefix = f"tiers[{index}]"
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping, got {type(data).__name__}")
-    kind = data.get("kind")
-    if kind not in TIER_KINDS:
-        raise ConfigError(f"{prefix}.kind", f"expected one of {TIER_KINDS}, got {kind!r}")
+    kind = one_of(data.get("kind"), TIER_KINDS, f"{prefix}.kind")
     common = {f.name for f in fields(TierConfig)} - set().union(*_KIND_ONLY_KEYS.values())
-    _reject_unknown(data, common | _KIND_ONLY_KEYS[kind], prefix)
+    reject_unknown(data, common | _KIND_ONLY_KEYS[kind], prefix)
     values = {**_TIER_DEFAULTS[kind], **data}
     out: dict[str, Any] = {"kind": kind, "name": str(values.get("name", kind))}
     if "capacity" not in values:
@@ -158,11 +151,8 @@ def _parse_tier(data: Any, index: int) -> TierConfig:
         raise ConfigError(f"{prefix}.capacity", "must be greater than zero")
     for key in ("compressed", "put", "write_back", "hugepages", "mlock", "fsync", "cluster"):
         if key in values:
-            out[key] = _bool(values[key], f"{prefix}.{key}")
-    eviction = str(values["eviction"]).lower()
-    if eviction not in EVICTION_POLICIES:
-        raise ConfigError(f"{prefix}.eviction", f"expected one of {EVICTION_POLICIES}, got {values['eviction']!r}")
-    out["eviction"] = eviction
+            out[key] = bool_value(values[key], f"{prefix}.{key}")
+    out["eviction"] = one_of(str(values["eviction"]).lower(), EVICTION_POLICIES, f"{prefix}.eviction")
     if "method" in values:
         out["method"] = _compressing_method(values["method"], f"{prefix}.method")
     method = out.get("method", TierConfig.method)
@@ -190,11 +180,11 @@ def _parse_kind_specific(kind: str, values: Mapping[str, Any], out: dict[str, An
         out["url"] = _redis_url(url, f"{prefix}.url")
         for key in ("ttl_s", "timeout_s"):
             if key in values:
-                out[key] = _float(values[key], f"{prefix}.{key}")
+                out[key] = number_value(values[key], f"{prefix}.{key}")
         if out.get("timeout_s", 1.0) <= 0:
             raise ConfigError(f"{prefix}.timeout_s", "must be > 0: a timeout is what turns an outage into a miss")
         if "retries" in values:
-            out["retries"] = _int(values["retries"], f"{prefix}.retries", minimum=0)
+            out["retries"] = int_value(values["retries"], f"{prefix}.retries", minimum=0)
         if "namespace" in values:
             out["namespace"] = str(values["namespace"])
 
@@ -203,9 +193,7 @@ def _compressing_method(value: Any, key: str) -> str:
     from kvshrink.codec import METHODS
 
     choices = [m for m in METHODS if m != "raw"]  # uncompressed tiers say compressed: false
-    if value not in choices:
-        raise ConfigError(key, f"expected one of {choices}, got {value!r}")
-    return str(value)
+    return str(one_of(value, choices, key))
 
 
 def _level(value: Any, method: str, key: str) -> int:
@@ -213,10 +201,8 @@ def _level(value: Any, method: str, key: str) -> int:
     1..9), so a level that would fail every put fails here instead."""
     from kvshrink.codec.backends import validate_level
 
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, f"expected an integer, got {value!r}")
     try:
-        return validate_level(method, value)
+        return validate_level(method, int_value(value, key))
     except ValueError as exc:
         raise ConfigError(key, str(exc)) from None
 
@@ -244,38 +230,12 @@ def _redis_url(url: str, key: str) -> str:
 
 
 def _parse_engine(data: Any) -> EngineConfig:
-    if not isinstance(data, Mapping):
-        raise ConfigError("engine", f"expected a mapping, got {type(data).__name__}")
     names = {f.name for f in fields(EngineConfig)}
-    _reject_unknown(data, names, "engine")
+    data = mapping_value(data, "engine", names)
     out: dict[str, Any] = {}
     for name in names & set(data):
         key = f"engine.{name}"
-        out[name] = parse_size(data[name], key) if name == "staging_bytes" else _int(data[name], key, minimum=1)
+        out[name] = parse_size(data[name], key) if name == "staging_bytes" else None if name == "codec_threads" \
+            and data[name] in (None, "auto") else int_value(data[name], key, minimum=1)
     return EngineConfig(**out)
-
-
-def _reject_unknown(data: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
-    for key in data:
-        if key not in allowed:
-            where = f"{prefix}.{key}" if prefix else str(key)
-            raise ConfigError(where, f"unknown key; expected one of {sorted(allowed)}")
-
-
-def _bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(key, f"expected true or false, got {value!r}")
-    return value
-
-
-def _int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, f"expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(key, f"expected a number >= 0, got {value!r}")
-    return float(value)
 

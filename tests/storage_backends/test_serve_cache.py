@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from kvshrink.configs import default_store_path, derive_store
 from kvshrink.errors import ConfigError
 from kvshrink.store import StoreConfig
 from kvshrink.storage_backends.mp_l2_adapter import KVShrinkL2AdapterConfig
-from kvshrink.storage_backends.serve_cache import build_server, load_serve_config
+from kvshrink.storage_backends.serve_cache import ServerFlags, lmcache_server_argv, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("serve-cache-*.yaml"))
@@ -37,8 +38,8 @@ def private_config(tmp_path: Path, shm: str, edit=None) -> Path:
     ``tmp_path`` and ``shm`` (tiers[0] dram, tiers[1] ssd)."""
     store = derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm},
                          capacities={"dram": "64MiB", "ssd": "1GiB"})
-    data = {"server": {"port": free_port(), "http_port": free_port(), "l1_size_gb": 0.2}, "adapter": {"workers": 4},
-            "store": store}
+    server = {"port": free_port(), "http_port": free_port(), "prometheus_port": free_port(), "l1_size_gb": 0.2}
+    data = {"server": server, "adapter": {"workers": 4}, "store": store}
     if edit is not None:
         edit(data)
     path = tmp_path / f"serve-{uuid.uuid4().hex[:6]}.yaml"
@@ -61,7 +62,11 @@ def test_without_a_file_serve_cache_runs_the_shipped_default_store():
     assert config.adapter_params == {"config": str(default_store_path())}
     assert config.store == StoreConfig.load(default_store_path())
     assert [t.kind for t in config.store.tiers] == ["dram", "ssd"]
-    assert (config.port, config.http_port, config.l1_size_gb, config.chunk_size) == (5555, 8080, 2.0, 256)
+    assert config.server == ServerFlags()  # production defaults, not the test launcher's
+    server = config.server
+    assert (server.port, server.http_port, server.prometheus_port, server.l1_size_gb, server.chunk_size) == \
+        (5555, 8080, 9090, 2.0, 256)
+    assert (server.host, server.http_host, server.supported_transfer_mode) == ("localhost", "127.0.0.1", "auto")
 
 
 def test_check_without_config_validates_the_default_store_on_this_machine(tmp_path, monkeypatch, capsys):
@@ -72,8 +77,10 @@ def test_check_without_config_validates_the_default_store_on_this_machine(tmp_pa
         pytest.skip(f"/dev/shm has less than the default DRAM tier's {needed >> 30} GiB free")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default SSD tier is ~/.cache/kvshrink/store-ssd
     assert kvshrink_main(["serve-cache", "--check"]) == 0
-    assert str(default_store_path()) in capsys.readouterr().out
-    assert (tmp_path / ".cache" / "kvshrink" / "store-ssd").is_dir()
+    out = capsys.readouterr().out
+    assert str(default_store_path()) in out
+    assert shlex.split(out) == load_serve_config(None, check_services=False).argv()
+    assert not (tmp_path / ".cache").exists()  # checked (the nearest existing folder is writable), not created
 
 
 def test_shipped_alternatives_cover_redis_and_qat():
@@ -89,6 +96,14 @@ def test_shipped_alternatives_cover_redis_and_qat():
     (lambda d: d["server"].update(port=70000), "server.port"),
     (lambda d: d["server"].update(l1_size_gb=0), "server.l1_size_gb"),
     (lambda d: d["server"].update(hots="x"), "server.hots"),
+    (lambda d: d["server"].update(prometheus_port=0), "server.prometheus_port"),
+    (lambda d: d["server"].update(supported_transfer_mode="fast"), "server.supported_transfer_mode"),
+    (lambda d: d["server"].update(host="local host"), "server.host"),
+    (lambda d: d["server"].update(chunk_size=True), "server.chunk_size"),
+    (lambda d: d.update(server=[1]), "server"),
+    (lambda d: d["adapter"].update(workers=1000), "adapter.workers"),
+    (lambda d: d["store"]["tiers"][1].update(level=12, method="qat"), "store.tiers[1].level"),
+    (lambda d: d["store"]["tiers"][1].update(level=0), "store.tiers[1].level"),
     (lambda d: d["adapter"].update(workers=0), "adapter.workers"),
     (lambda d: d["store"]["tiers"][1].update(capacity="a lot"), "store.tiers[1].capacity"),
     (lambda d: d["store"]["tiers"][1].update(method="lzma"), "store.tiers[1].method"),
@@ -102,6 +117,17 @@ def test_bad_files_exit_2_naming_the_key(tmp_path, shm_name, capsys, edit, key):
     assert info.value.key == key, str(info.value)
     assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 2
     assert f"'{key}'" in capsys.readouterr().err
+
+
+def test_bad_yaml_names_the_file_and_line(tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text("server:\n  port: 5555\n  http_port: [8080\nstore: store.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(path)
+    assert info.value.key == "--config"
+    assert info.value.reason.startswith(f"{path} is not valid YAML at line 4, column 6: ")
+    assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 2
+    assert "line 4" in capsys.readouterr().err
 
 
 def test_unreachable_redis_and_unwritable_ssd_are_refused(tmp_path, shm_name):
@@ -129,14 +155,59 @@ def test_store_may_be_a_separate_yaml_file(tmp_path, shm_name):
     assert config.adapter_params["config"] == str(store_file)
 
 
-def test_check_prints_the_lmcache_server_command(tmp_path, shm_name, capsys):
-    path = private_config(tmp_path, shm_name)
-    assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 0
-    line = capsys.readouterr().out
-    config = load_serve_config(path)
-    assert "lmcache.cli.main server" in line and f"--port {config.port}" in line
-    assert f"--http-port {config.http_port}" in line and "KVShrinkL2Adapter" in line
-    assert build_server(config).http_port == config.http_port
+def test_argv_is_exactly_the_lmcache_server_command_for_the_config():
+    flags = ServerFlags(host="0.0.0.0", port=6000, http_host="10.0.0.5", http_port=6001, prometheus_port=6002,
+                        l1_size_gb=0.5, chunk_size=128, supported_transfer_mode="lmcache_driven",
+                        extra_args=("--max-workers", "3"))
+    adapter = {"type": "plugin", "module_path": "m", "class_name": "C", "adapter_params": {"config": "/s.yaml"}}
+    assert lmcache_server_argv(flags, [adapter], python="/py") == [
+        "/py", "-m", "lmcache.cli.main", "server", "--host", "0.0.0.0", "--port", "6000",
+        "--http-host", "10.0.0.5", "--http-port", "6001", "--prometheus-port", "6002", "--l1-size-gb", "0.5",
+        "--eviction-policy", "LRU", "--supported-transfer-mode", "lmcache_driven", "--chunk-size", "128",
+        "--l2-adapter", json.dumps(adapter), "--max-workers", "3"]
+    assert flags.http_url == "http://10.0.0.5:6001"
+    assert ServerFlags(http_host="0.0.0.0").http_url == "http://127.0.0.1:8080"  # a wildcard is dialled on loopback
+
+
+def test_server_section_keys_reach_the_command_line(tmp_path, shm_name):
+    path = private_config(tmp_path, shm_name, lambda d: d["server"].update(
+        host="127.0.0.1", http_host="0.0.0.0", supported_transfer_mode="engine_driven", extra_args=["--x", 1]))
+    config = load_serve_config(path, check_services=False)
+    argv = config.argv(python="/py")
+    assert argv == lmcache_server_argv(config.server, [config.l2_adapter_spec()], "/py")
+    pairs = dict(zip(argv[4::2], argv[5::2]))
+    assert pairs["--host"] == "127.0.0.1" and pairs["--http-host"] == "0.0.0.0"
+    assert pairs["--supported-transfer-mode"] == "engine_driven" and argv[-2:] == ["--x", "1"]
+    server = yaml.safe_load(path.read_text())["server"]
+    assert (pairs["--port"], pairs["--http-port"], pairs["--prometheus-port"]) == \
+        (str(server["port"]), str(server["http_port"]), str(server["prometheus_port"]))
+    assert json.loads(pairs["--l2-adapter"]) == config.l2_adapter_spec()
+
+
+def test_the_test_launcher_builds_its_command_with_the_same_function(tmp_path):
+    from kvshrink.launch import LOOPBACK, LMCacheServer
+
+    adapter = {"type": "plugin", "module_path": "m", "class_name": "C", "adapter_params": {}}
+    server = LMCacheServer(l1_size_gb=0.3, l2_adapters=[adapter], chunk_size=64, extra_args=["--x"],
+                           log_path=tmp_path / "log")
+    prometheus = int(server.argv[server.argv.index("--prometheus-port") + 1])
+    flags = ServerFlags(host="localhost", port=server.port, http_host=LOOPBACK, http_port=server.http_port,
+                        prometheus_port=prometheus, l1_size_gb=0.3, chunk_size=64, extra_args=("--x",))
+    assert server.argv == lmcache_server_argv(flags, [adapter])
+    assert len({server.port, server.http_port, prometheus} - {5555, 8080, 9090}) == 3  # free ports, not a service's
+
+
+def test_check_prints_exactly_what_runs_and_creates_nothing(tmp_path, shm_name):
+    ssd = tmp_path / "not" / "yet" / "ssd"
+    path = private_config(tmp_path, shm_name, lambda d: d["store"]["tiers"][1].update(path=str(ssd)))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path), "--check"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)})
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout) == load_serve_config(path, check_services=False).argv()
+    assert not (tmp_path / "not").exists() and not (SHM_DIR / shm_name).exists()
+    assert list(scratch.iterdir()) == []  # no log file either
 
 
 def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path, shm_name):
@@ -155,7 +226,12 @@ def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path
 
         poll_until(ready, 180, interval=0.5, what="serve-cache to become ready",
                    error=lambda message: AssertionError(f"{message}:\n{log.read_text()}"))
-        status = httpx.get(f"http://127.0.0.1:{config.http_port}/status", timeout=10).json()
+        check = subprocess.run([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path), "--check"],
+                               capture_output=True, text=True, timeout=120)
+        (child,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        running = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")[:-1]
+        assert running == shlex.split(check.stdout), check.stderr
+        status = httpx.get(f"http://127.0.0.1:{config.server.http_port}/status", timeout=10).json()
         adapters = status["storage_manager"]["l2_adapters"]
         assert [a["type"] for a in adapters] == ["KVShrinkL2Adapter"]
         assert adapters[0]["is_healthy"] and set(adapters[0]["store"]["tiers"]) == {"dram", "ssd"}
@@ -163,7 +239,7 @@ def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{config.http_port}/healthcheck", timeout=2)
+            httpx.get(f"http://127.0.0.1:{config.server.http_port}/healthcheck", timeout=2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -80,6 +80,55 @@ def test_bad_yaml_file(tmp_path):
         StoreConfig.load(tmp_path / "missing.yaml")
 
 
+def test_bad_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "store.yaml"
+    path.write_text("tiers:\n  - kind: dram\n    capacity: 64MiB\n   put: true\n")  # line 4 mis-indented
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.load(path)
+    assert info.value.key is None  # the file itself: the caller names the setting that holds its path
+    assert info.value.reason.startswith(f"{path} is not valid YAML at line 4, column 4: ")
+    assert str(info.value) == info.value.reason
+
+
+# -- structured errors: key and reason, never parsed back out of the message ------------------------
+@pytest.mark.parametrize(("data", "key", "reason"), [
+    ({"tiers": [{"kind": "dram", "capacity": 10}], "enigne": {}}, "enigne",
+     "unknown key; expected one of ['engine', 'persist_on_close', 'promote_on_hit', 'tiers']"),
+    ({"tiers": [{"kind": "dram", "capacity": 10}], "engine": {"put_workers": "2"}}, "engine.put_workers",
+     "expected an integer >= 1, got '2'"),
+    ({"tiers": [{"kind": "dram", "capacity": 10}], "engine": {"read_workers": 1.5}}, "engine.read_workers",
+     "expected an integer >= 1, got 1.5"),
+    ({"tiers": [{"kind": "redis", "url": "redis://x", "retries": True}]}, "tiers[0].retries",
+     "expected an integer >= 0, got True"),
+    ({"tiers": [{"kind": "ssd", "capacity": 10, "path": "/x", "level": 0}]}, "tiers[0].level",
+     "zstd level must be in 1..22, got 0 (levels <= 0 store zstd literals uncompressed and lose most of the gain)"),
+    ({"tiers": [{"kind": "ssd", "capacity": 10, "path": "/x", "method": "qat", "level": 12}]}, "tiers[0].level",
+     "qat level must be in 1..9, got 12"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "mlock": "no"}]}, "tiers[0].mlock",
+     "expected true or false, got 'no'"),
+])
+def test_config_errors_carry_key_and_reason(data, key, reason):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.load(data)
+    assert (info.value.key, info.value.reason) == (key, reason)
+    assert str(info.value) == f"config key {key!r}: {reason}"
+
+
+def test_a_store_inside_another_file_is_rekeyed_from_the_fields(tmp_path):
+    from kvshrink.storage_backends.store_setup import load_store_config
+
+    with pytest.raises(ConfigError) as info:
+        load_store_config({"tiers": [{"kind": "ssd", "capacity": 10, "path": "/x", "method": "qat", "level": 0}]},
+                          "adapter_params.store.", "adapter_params.store")
+    assert info.value.key == "adapter_params.store.tiers[0].level"
+    assert info.value.reason == "qat level must be in 1..9, got 0"
+    bad = tmp_path / "s.yaml"
+    bad.write_text("tiers: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_store_config(bad, f"{bad}:", "kvshrink.config")
+    assert info.value.key == "kvshrink.config" and info.value.reason.startswith(f"{bad} is not valid YAML at line 2")
+
+
 # -- values another module owns: codec levels, Redis URLs -------------------------------------------
 def _ssd(tmp_path, **changes):
     return {"tiers": [{"kind": "ssd", "capacity": "64MiB", "path": str(tmp_path / "ssd"), **changes}]}
