@@ -10,6 +10,10 @@ otherwise. Blocks run in parallel; every block carries a checksum of its decoded
     decode(frame, out=buffer)           # straight into a preallocated buffer
     read_header(frame).raw_size         # validate + size without decompressing
 
+Threads: every call draws its block parallelism from one process-wide budget
+(:mod:`kvshrink.codec.cpu_budget`; ``KVSHRINK_CODEC_THREADS`` or a store's ``engine.codec_threads``,
+else the CPUs this process may use), so the threads busy encoding / decoding never exceed it.
+
 ``CodecError`` is the one exception for corrupt, truncated, foreign or hostile frames. The frame
 layout is documented in :mod:`kvshrink.codec.frame`; stored frames under ``tests/codec/frames``
 pin it.

@@ -10,7 +10,7 @@
 
 zstd compressor objects are not thread-safe: each thread keeps its own, created once and reused.
 Every decoder is bounded by the stream's known decoded size, so no input can make it allocate or
-loop beyond that.
+loop beyond that; ``decompress_into`` writes zstd streams straight into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -65,15 +65,35 @@ def zstd_decompress(payload: memoryview, size: int) -> bytes:
         claimed = zstandard.frame_content_size(payload)
         if claimed not in (-1, size):  # -1: not recorded (our frames); anything else must agree
             raise CodecError(f"zstd stream claims {claimed} bytes, its block holds {size}")
-        dctx = _thread_cache("zstd_d").get("d")
-        if dctx is None:
-            dctx = _thread_cache("zstd_d")["d"] = zstandard.ZstdDecompressor()
-        data = dctx.decompress(payload, max_output_size=size)
+        data = _zstd_dctx().decompress(payload, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise CodecError(f"corrupt zstd stream: {exc}") from None
     if len(data) != size:
         raise CodecError(f"zstd stream decodes to {len(data)} bytes, its block holds {size}")
     return data
+
+
+def zstd_decompress_into(payload: memoryview, out: np.ndarray) -> np.ndarray:
+    """Decompress one zstd frame straight into ``out`` (uint8, exactly its decoded size), which
+    is returned; CodecError when the frame decodes to fewer or more bytes. No ``bytes`` is built."""
+    size = out.nbytes
+    try:
+        claimed = zstandard.frame_content_size(payload)
+        if claimed not in (-1, size):
+            raise CodecError(f"zstd stream claims {claimed} bytes, its block holds {size}")
+        reader = _zstd_dctx().stream_reader(payload, read_across_frames=False)
+        got = 0
+        while got < size:
+            n = reader.readinto(out[got:])
+            if n == 0:
+                break
+            got += n
+        extra = reader.read(1) if got == size else b""
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"corrupt zstd stream: {exc}") from None
+    if got != size or extra:
+        raise CodecError(f"zstd stream decodes to {'more than ' if extra else ''}{got} bytes, its block holds {size}")
+    return out
 
 
 def gzip_compress(stream: np.ndarray, level: int) -> bytes:
@@ -129,6 +149,20 @@ def decompress(coding: int, payload: memoryview, size: int) -> bytes | memoryvie
     return gzip_decompress(payload, size)
 
 
+def decompress_into(coding: int, payload: memoryview, out: np.ndarray) -> np.ndarray | memoryview:
+    """One stream decoded into ``out`` (uint8 of the stream's decoded size) and returned; a
+    stored stream comes back as the payload view itself (``out`` untouched), a deflate stream is
+    inflated then copied (zlib / ISA-L cannot inflate into a caller's buffer)."""
+    if coding == STORED:
+        if len(payload) != out.nbytes:
+            raise CodecError(f"stored stream holds {len(payload)} bytes, its block holds {out.nbytes}")
+        return payload
+    if coding == ZSTD:
+        return zstd_decompress_into(payload, out)
+    out[:] = np.frombuffer(gzip_decompress(payload, out.nbytes), dtype=np.uint8)
+    return out
+
+
 def validate_level(method: str, level: int) -> int:
     """``level`` if the method accepts it; ValueError naming the valid range otherwise."""
     if method == "raw":
@@ -138,6 +172,15 @@ def validate_level(method: str, level: int) -> int:
         hint = " (levels <= 0 store zstd literals uncompressed and lose most of the gain)" if method == "zstd" else ""
         raise ValueError(f"{method} level must be in {valid.start}..{valid.stop - 1}, got {level!r}{hint}")
     return level
+
+
+def _zstd_dctx() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor (not thread-safe; created once per thread)."""
+    cache = _thread_cache("zstd_d")
+    dctx = cache.get("d")
+    if dctx is None:
+        dctx = cache["d"] = zstandard.ZstdDecompressor()
+    return dctx
 
 
 def _thread_cache(name: str) -> dict:

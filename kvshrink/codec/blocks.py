@@ -5,13 +5,18 @@ streams; a stream is compressed when the sampled entropy of its byte position pr
 (decided once per frame) *and* the compressed form is actually smaller, and stored otherwise.
 Blocks share nothing, so worker threads run them in any order; ``run_blocks`` lets the calling
 thread work too, so ``threads=2`` means two busy cores, not one waiting caller plus two workers.
+How many threads a call may use is the process budget's to say (:mod:`kvshrink.codec.cpu_budget`).
+
+Decoding writes straight into the caller's rows: a stored stream is read from the frame where it
+lies, a compressed one is decompressed into a scratch buffer reused across calls (no new ``bytes``
+per stream), then the streams are merged into the output.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,23 +68,74 @@ def decode_block(blob: memoryview, header: FrameHeader, table: StreamTable, bloc
     """Decode ``block`` of the frame into ``rows`` (its slice of the output) and verify it."""
     start, stop = block_bounds(header, block)
     size = stream_length(header, stop - start)
-    streams = []
-    for k in range(header.streams_per_block):
-        offset, length = int(table.offsets[block, k]), int(table.sizes[block, k])
-        data = backends.decompress(int(table.codings[block, k]), blob[offset:offset + length], size)
-        streams.append(np.frombuffer(data, dtype=np.uint8))
-    byteplanes.merge(tuple(streams), header.transform == "rotl1", rows)
+    codings = [int(c) for c in table.codings[block]]
+    coded = sum(c != STORED for c in codings)
+    scratch = _scratch.take(size * coded) if coded else None
+    try:
+        streams, used = [], 0
+        for k, coding in enumerate(codings):
+            offset, length = int(table.offsets[block, k]), int(table.sizes[block, k])
+            payload = blob[offset:offset + length]
+            if coding == STORED:
+                data = backends.decompress(coding, payload, size)
+            else:
+                data = backends.decompress_into(coding, payload, scratch[used:used + size])
+                used += size
+            streams.append(np.frombuffer(data, dtype=np.uint8))
+        byteplanes.merge(tuple(streams), header.transform == "rotl1", rows)
+    finally:
+        if scratch is not None:
+            _scratch.give(scratch)
     if xxhash.xxh3_64_intdigest(rows) != int(table.checksums[block]):
         raise CodecError(f"checksum mismatch in block {block} of {header.nblocks} (corrupt payload)")
 
 
-def run_blocks(nblocks: int, work: Callable[[int], object], pool: Executor | None, threads: int) -> list:
+class ScratchPool:
+    """Reusable uint8 buffers by exact size, shared by every thread (so a thread new to decoding
+    reuses one a finished call gave back rather than allocating). Keeps at most ``per_size`` free
+    buffers of a size and ``sizes`` distinct sizes. Thread-safe; a buffer belongs to whoever
+    took it until it is given back."""
+
+    def __init__(self, per_size: int = 16, sizes: int = 8) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._per_size, self._sizes = per_size, sizes
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            free = self._free.get(buf.nbytes)
+            if free is None:
+                if len(self._free) >= self._sizes:
+                    self._free.pop(next(iter(self._free)))  # the oldest size seen goes
+                free = self._free[buf.nbytes] = []
+            if len(free) < self._per_size:
+                free.append(buf)
+
+
+_scratch = ScratchPool()
+
+
+def run_blocks(nblocks: int, work: Callable[[int], object], pool: Executor | None, threads: int,
+               release: Callable[[], None] | None = None) -> list:
     """``[work(0), ..., work(nblocks-1)]``, spread over the caller and up to ``threads-1`` pool workers.
 
-    The first exception stops the remaining blocks and is re-raised in the caller.
+    The first exception stops the remaining blocks and is re-raised in the caller, once every
+    helper has stopped. ``release`` (the budget's token return) is called exactly once for each of
+    the ``min(threads, nblocks) - 1`` helpers: by the helper when it stops, or here when it never
+    started (no pool, could not be queued, cancelled).
     """
     results: list = [None] * nblocks
-    if pool is None or threads <= 1 or nblocks <= 1:
+    asked = max(0, min(threads, nblocks) - 1)
+    if pool is None or asked == 0:
+        for _ in range(asked if release is not None else 0):
+            release()
         for b in range(nblocks):
             results[b] = work(b)
         return results
@@ -96,13 +152,37 @@ def run_blocks(nblocks: int, work: Callable[[int], object], pool: Executor | Non
                 failed.set()
                 raise
 
-    helpers = [pool.submit(drain) for _ in range(min(threads, nblocks) - 1)]
+    def helper() -> None:
+        try:
+            drain()
+        finally:
+            if release is not None:
+                release()
+
+    helpers = []
+    try:
+        for _ in range(asked):
+            helpers.append(pool.submit(helper))
+    except RuntimeError:  # the pool was shut down: the caller does those blocks itself
+        pass
+    if release is not None:
+        for _ in range(asked - len(helpers)):
+            release()
     try:
         drain()
     finally:
         # helpers that never started (busy machine) are cancelled rather than waited for
-        errors = [None if f.cancel() else f.exception() for f in helpers]
+        errors = [None if _cancelled(f, release) else f.exception() for f in helpers]
     for exc in errors:
         if exc is not None:
             raise exc
     return results
+
+
+def _cancelled(future: Future, release: Callable[[], None] | None) -> bool:
+    """Cancel a helper that has not started; its token comes back here, since it never will run."""
+    if not future.cancel():
+        return False
+    if release is not None:
+        release()
+    return True

@@ -1,22 +1,23 @@
-"""``Codec``: settings, a worker pool, and the encode / decode / read_header entry points.
+"""``Codec``: settings and the encode / decode / read_header entry points.
 
 Thread safety: a ``Codec`` may be used from many threads at once. Its settings are immutable; the
-zstd contexts live per thread (``backends``); the pool is created on first parallel use.
+zstd contexts live per thread (``backends``). Block parallelism comes from the process-wide
+budget (:mod:`kvshrink.codec.cpu_budget`): however many Codecs and callers, at most its limit of
+threads run block work at once; a Codec owns no threads.
 Buffer ownership: ``encode`` only reads its input and returns new ``bytes``; ``decode`` writes only
-into the array it returns (``out`` when given, whose content is unspecified if decode raises).
+into the array it returns (``out`` when given, whose content is unspecified if decode raises),
+straight from the frame's memory (no intermediate copy of the frame or of the decoded chunk).
 """
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from kvshrink.codec import backends, byteplanes, dtypes
-from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, run_blocks
+from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block
+from kvshrink.codec.cpu_budget import budget
 from kvshrink.codec.errors import CodecError, UnsupportedArrayError
 from kvshrink.codec.frame import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -38,17 +39,9 @@ TRANSFORM_CHOICES = ("auto", "none", "rotl1")
 
 
 def default_threads() -> int:
-    """``KVSHRINK_CODEC_THREADS`` if set, else the CPU count (at most 8)."""
-    env = os.environ.get("KVSHRINK_CODEC_THREADS")
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            raise ConfigError("KVSHRINK_CODEC_THREADS", f"not an integer: {env!r}") from None
-        if value < 1:
-            raise ConfigError("KVSHRINK_CODEC_THREADS", f"must be >= 1, got {value}")
-        return value
-    return max(1, min(os.cpu_count() or 1, 8))
+    """The process budget's limit: ``engine.codec_threads`` of a store that set it, else
+    ``KVSHRINK_CODEC_THREADS``, else the CPUs this process may use (ConfigError if malformed)."""
+    return budget().limit()
 
 
 class Codec:
@@ -59,7 +52,8 @@ class Codec:
     * ``level``: zstd 1..22 or deflate 1..9 (1 is best on split KV: higher zstd levels are slower
       *and* larger there); ignored by "raw";
     * ``block_size``: bytes of input per independent block (parallelism and checksum granularity);
-    * ``threads``: busy threads per call, the caller included;
+    * ``threads``: most busy threads per call, the caller included (None: the process budget's
+      limit, looked up per call); a call gets fewer when the budget is taken by other calls;
     * ``hash_log``: zstd match-finder table size for compressed streams (None: zstd's default);
     * ``min_saving``: a stream whose sampled order-0 entropy promises a smaller saving is stored;
     * ``transform``: "auto" (rotl1 when a sample says it helps), "none" or "rotl1";
@@ -73,7 +67,9 @@ class Codec:
         self.method = _check_method(method)
         self.level = _check_level(method, level)
         self.block_size = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
-        self.threads = default_threads() if threads is None else _check_int("threads", threads, 1)
+        if threads is None:
+            default_threads()  # a malformed KVSHRINK_CODEC_THREADS fails here, not in the first call
+        self._threads = None if threads is None else _check_int("threads", threads, 1)
         if hash_log is not None:
             _check_int("hash_log", hash_log, 6, 30)
         self.hash_log = hash_log
@@ -84,8 +80,11 @@ class Codec:
             raise ConfigError("transform", f"must be one of {TRANSFORM_CHOICES}, got {transform!r}")
         self.transform = transform
         self.max_frame_bytes = _check_int("max_frame_bytes", max_frame_bytes, 0)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+
+    @property
+    def threads(self) -> int:
+        """Most threads one call may use: the ``threads`` given, else the budget's limit now."""
+        return default_threads() if self._threads is None else self._threads
 
     def __repr__(self) -> str:
         return (f"Codec(method={self.method!r}, level={self.level}, block_size={self.block_size}, "
@@ -108,8 +107,8 @@ class Codec:
         block_elems = max(1, self.block_size // kind.itemsize, -(-kind.size // MAX_BLOCKS))
         plan = EncodePlan(method, level, self.hash_log, attempt, rotate, nstreams, block_elems)
         nblocks = block_count(kind.size, block_elems)
-        blocks = run_blocks(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
-                            self._executor(nblocks, kind.nbytes), self.threads)
+        blocks = budget().run(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
+                              self.threads, _parallel(nblocks, kind.nbytes))
         header = pack_header(kind, method, "rotl1" if rotate else "none", nstreams, block_elems,
                              [blk.checksum for blk in blocks], [blk.codings for blk in blocks],
                              [[len(memoryview(p)) for p in blk.payloads] for blk in blocks])
@@ -134,8 +133,8 @@ class Codec:
         else:
             copy_needed = False
             result, rows = _numpy_output(kind) if as_numpy else dtypes.new_output(kind)
-        run_blocks(header.nblocks, lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
-                   self._executor(header.nblocks, kind.nbytes), self.threads)
+        budget().run(header.nblocks, lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
+                     self.threads, _parallel(header.nblocks, kind.nbytes))
         if copy_needed and kind.nbytes:
             dtypes.copy_into(out, rows.reshape(-1))
         return result
@@ -145,11 +144,8 @@ class Codec:
         return parse_header(_as_bytes_view(blob), self.max_frame_bytes)[0]
 
     def close(self) -> None:
-        """Stop the worker threads (the codec stays usable; a later call starts new ones)."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """Nothing to release: helper threads belong to the process budget (kept for callers
+        that use a Codec as a context manager)."""
 
     def __enter__(self) -> "Codec":
         return self
@@ -157,15 +153,10 @@ class Codec:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals --------------------------------------------------------------------------------
-    def _executor(self, nblocks: int, nbytes: int) -> ThreadPoolExecutor | None:
-        if self.threads <= 1 or nblocks <= 1 or nbytes < PARALLEL_MIN_BYTES:
-            return None
-        if self._pool is None:
-            with self._pool_lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvshrink-codec")
-        return self._pool
+
+def _parallel(nblocks: int, nbytes: int) -> bool:
+    """Whether helpers may join a call: several blocks, and enough bytes to pay for the hand-off."""
+    return nblocks > 1 and nbytes >= PARALLEL_MIN_BYTES
 
 
 def _block_slice(header: FrameHeader, block: int) -> slice:

@@ -8,6 +8,11 @@ full work queue rejects the descriptor instead of stalling. The same shape here:
 * :class:`Lane` — a worker pool behind a non-blocking bounded semaphore. ``try_submit`` either
   queues the job or returns None at once; the caller counts the drop. Nothing ever waits for room.
 
+Threads: the lanes and the reader pool only *call* the codec; the threads that run its block
+work, theirs included, are counted by the process's codec budget (:mod:`kvshrink.codec.cpu_budget`),
+which ``engine.codec_threads`` sets when given. So the worker counts below bound how many jobs are
+in flight, not how many cores the store burns: that is the budget's limit, whatever the nesting.
+
 The engine knows nothing about tiers: :class:`~kvshrink.store.tiered.TieredStore` gives it jobs
 (compress + write, write-back, demotion, promotion, parallel reads). Of the codec it knows only
 which chunks it accepts: :meth:`CopyEngine.stage` checks a chunk against the codec's dtype allow
@@ -128,6 +133,10 @@ class CopyEngine:
     """Staging pool + a put lane + a background lane + a reader pool, with their counters."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.codec_threads is not None:  # process-wide: the last store to set it wins
+            from kvshrink.codec.cpu_budget import budget
+
+            budget().configure(config.codec_threads)
         self.staging = StagingPool(config.staging_bytes)
         self.puts = Lane("put", config.put_workers, config.put_queue)
         self.background = Lane("background", config.background_workers, config.background_queue)
@@ -154,7 +163,11 @@ class CopyEngine:
         return staged, buf
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters.snapshot(), "put_queue_depth": self.puts.pending(),
+        from kvshrink.codec.cpu_budget import budget
+
+        codec = budget().stats()
+        return {**self.counters.snapshot(), "codec_threads": codec["limit"], "codec_threads_busy": codec["busy"],
+                "put_queue_depth": self.puts.pending(),
                 "background_queue_depth": self.background.pending(), "staging_bytes_in_use": self.staging.in_use(),
                 "staging_budget_bytes": self.staging.budget}
 
