@@ -116,62 +116,6 @@ def summarize(requests: list[AgentRequest]) -> dict:
             "reusable_fraction": float(1 - fresh / prompt.sum())}  # hit rate of an ideal infinite cache
 
 
-# -- RAG-style mode: shared documents in varying order (non-prefix reuse, for KV Fuse) -------------
-@dataclass(frozen=True)
-class RagConfig:
-    requests: int = 64
-    documents: int = 32  # the shared corpus that requests retrieve from
-    doc_tokens: int = 1200  # mean tokens per document (each draws 0.5x..1.5x)
-    docs_per_request: int = 4
-    popularity: float = 1.1  # Zipf exponent of document popularity (0 = uniform)
-    system_tokens: int = 400  # shared system prompt at the front of every request
-    question_tokens: int = 80  # mean private question tokens at the end
-    max_tokens: int = 64
-    vocab_size: int = 49152
-    mean_gap_s: float = 0.5  # mean open-loop gap between arrivals
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class RagRequest:
-    request_id: int
-    token_ids: np.ndarray = field(repr=False)  # int32: system prompt + documents in this order + question
-    doc_ids: tuple[int, ...]  # documents in prompt order
-    doc_spans: tuple[tuple[int, int], ...]  # [start, end) of each document in token_ids
-    max_tokens: int
-    arrival_s: float
-
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.token_ids.size)
-
-
-def generate_rag(cfg: RagConfig) -> list[RagRequest]:
-    """Requests that each retrieve ``docs_per_request`` shared documents (popular ones more often)
-    and place them in a random order, so the same document's KV appears after different prefixes."""
-    if min(cfg.requests, cfg.documents, cfg.docs_per_request) < 1 or cfg.docs_per_request > cfg.documents:
-        raise ValueError("requests, documents and docs_per_request must be >= 1, docs_per_request <= documents")
-    rng = np.random.default_rng(cfg.seed)
-    system = rng.integers(0, cfg.vocab_size, cfg.system_tokens, dtype=np.int32)
-    docs = [rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.doc_tokens), dtype=np.int32) for _ in range(cfg.documents)]
-    weights = 1.0 / np.arange(1, cfg.documents + 1) ** cfg.popularity
-    weights /= weights.sum()
-    clock, out = 0.0, []
-    for rid in range(cfg.requests):
-        chosen = rng.choice(cfg.documents, size=cfg.docs_per_request, replace=False, p=weights)
-        rng.shuffle(chosen)
-        parts, spans, pos = [system], [], system.size
-        for d in chosen:
-            spans.append((pos, pos + docs[d].size))
-            parts.append(docs[d])
-            pos += docs[d].size
-        parts.append(rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.question_tokens), dtype=np.int32))
-        clock += float(rng.exponential(cfg.mean_gap_s))
-        out.append(RagRequest(rid, np.concatenate(parts), tuple(int(d) for d in chosen), tuple(spans),
-                              cfg.max_tokens, clock))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in TraceConfig.__dataclass_fields__.values():

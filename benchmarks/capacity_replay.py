@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest, trace_fingerprint
 from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
-from kvshrink.polling import poll_until
+from kvshrink.testing.polling import poll_until
 
 if TYPE_CHECKING:
     import torch
@@ -261,7 +261,7 @@ class ChunkPool:
 def chunk_pool(count: int) -> ChunkPool:
     import torch
 
-    from kvshrink.fixtures.real_kv import real_kv_chunks
+    from kvshrink.testing.fixtures.real_kv import real_kv_chunks
 
     return ChunkPool([torch.from_numpy(c).view(torch.bfloat16) for c in real_kv_chunks(count, CHUNK_TOKENS)])
 

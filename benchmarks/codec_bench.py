@@ -76,7 +76,7 @@ class Result:
 
 def load_samples(count: int) -> list[tuple[str, np.ndarray]]:
     """``count`` real KV chunks [2, 30, 256, 192] (bf16 as uint16), alternating the two corpora."""
-    from kvshrink.fixtures.real_kv import CORPORA, real_kv_chunks
+    from kvshrink.testing.fixtures.real_kv import CORPORA, real_kv_chunks
 
     chunks = real_kv_chunks(count, 256)
     return [(f"{CORPORA[i % len(CORPORA)]}#{i // len(CORPORA)}", c) for i, c in enumerate(chunks)]

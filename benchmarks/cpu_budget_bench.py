@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvshrink.codec.cpu_budget import budget, cpu_count
-    from kvshrink.fixtures.real_kv import real_kv_chunks
+    from kvshrink.testing.fixtures.real_kv import real_kv_chunks
     from kvshrink.store import TieredStore
     from kvshrink.store.dram import SHM_DIR
 

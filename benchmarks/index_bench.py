@@ -57,8 +57,8 @@ from kvshrink.index.state import IndexState
 from kvshrink.benchmarks.index_bench_clients import (MODEL, http_latencies, raw_http_latencies, ready,
                                                     route_latencies)
 from kvshrink.index import vllm_ingest
-from kvshrink.launch import free_port
-from kvshrink.polling import poll_until
+from kvshrink.testing.launch import free_port
+from kvshrink.testing.polling import poll_until
 from kvshrink.plugins.router_logic import lookup_body
 
 

@@ -146,7 +146,7 @@ def measure_batched_reads(chunks: list[np.ndarray], workdir: Path, rounds: int, 
 
 def small_real_chunks(count: int) -> list[np.ndarray]:
     """``count`` distinct small chunks cut from real KV ([2, 2, 1, 64] uint16: 512 bytes each)."""
-    from kvshrink.fixtures.real_kv import real_kv
+    from kvshrink.testing.fixtures.real_kv import real_kv
 
     kv = real_kv("code", 2048)
     per_token = (kv.shape[1] // 2) * (kv.shape[3] // 64)
@@ -277,7 +277,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvshrink.fixtures.real_kv import real_kv_chunks
+    from kvshrink.testing.fixtures.real_kv import real_kv_chunks
 
     chunks_n, rounds, reopen_n = (16, 2, 10_000) if args.quick else (args.chunks, args.rounds, args.reopen_chunks)
     drop = not args.no_drop_caches

@@ -150,7 +150,7 @@ def model_tokenizer() -> Tokenizer:
     """The benchmark model's tokenizer (SmolLM2, from the fixture checkpoint)."""
     from transformers import AutoTokenizer
 
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(ensure_checkpoint()))
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]

@@ -13,8 +13,9 @@ Everything is validated here first (``ConfigError`` names the key, e.g. ``store.
 the SSD directory, /dev/shm room and Redis are checked too, creating nothing). Then one pure
 function, :func:`lmcache_server_argv`, turns the config into the ``lmcache server`` command line:
 ``--check`` prints exactly that list and exits; otherwise it runs as a child process until SIGINT /
-SIGTERM. The test and benchmark launcher (``kvshrink.launch.LMCacheServer``) builds its command with
-the same function, passing its own choices (free loopback ports); nothing here imports it.
+SIGTERM. The test and benchmark launcher (``kvshrink.testing.launch.LMCacheServer``) builds its
+command with the same function, passing its own choices (free loopback ports); nothing here
+imports it.
 """
 
 from __future__ import annotations

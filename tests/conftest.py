@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvshrink.launch import RedisServer
+from kvshrink.testing.launch import RedisServer
 from kvshrink.store.dram import SHM_DIR
 
 
@@ -18,7 +18,7 @@ from kvshrink.store.dram import SHM_DIR
 def small_chunks() -> list[np.ndarray]:
     """16 real SmolLM2 KV chunks of 64 tokens ([2, 30, 64, 192] bf16 as uint16, 1.4 MiB each):
     8 of source code, then 8 of prose."""
-    from kvshrink.fixtures.real_kv import real_kv
+    from kvshrink.testing.fixtures.real_kv import real_kv
 
     chunks = []
     for corpus in ("code", "prose"):
@@ -30,7 +30,7 @@ def small_chunks() -> list[np.ndarray]:
 @pytest.fixture(scope="session")
 def real_chunks() -> list[np.ndarray]:
     """8 real 256-token chunks ([2, 30, 256, 192], 5.9 MB each), LMCache's default chunk size."""
-    from kvshrink.fixtures.real_kv import real_kv_chunks
+    from kvshrink.testing.fixtures.real_kv import real_kv_chunks
 
     return real_kv_chunks(8, 256)
 

@@ -16,10 +16,10 @@ import pytest
 
 from kvshrink.codec.qat import QatUnavailable
 from kvshrink.errors import KVShrinkError
-from kvshrink.launch import LOOPBACK, ManagedProcess, ServerStartError
+from kvshrink.testing.launch import LOOPBACK, ManagedProcess, ServerStartError
 from kvshrink.plugins.router_launcher import RouterShapeError
 from kvshrink.storage_backends.task_channels import ChannelClosedError, L2TaskRunner, TaskChannelError
-from kvshrink.streaming_client import StreamedCompletionError, stream_completion
+from kvshrink.testing.streaming_client import StreamedCompletionError, stream_completion
 
 
 @pytest.mark.parametrize("cls", [ServerStartError, RouterShapeError, TaskChannelError, ChannelClosedError,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvshrink.polling import poll_until
+from kvshrink.testing.polling import poll_until
 
 
 class Counter:

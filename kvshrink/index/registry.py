@@ -36,10 +36,6 @@ class Instance:
     process_start: float | None = None  # vLLM's process_start_time_seconds, to detect restarts
     feeds: dict[str, Feed] = field(default_factory=dict)  # stream name -> feed
 
-    @property
-    def mask(self) -> int:
-        return 1 << self.bit
-
     def describe(self) -> dict:
         return {"id": self.instance_id, "url": self.url, "models": sorted(self.models), "load": self.load,
                 "replay_endpoint": self.replay_endpoint, "aliases": sorted(self.aliases), "static": self.static,
@@ -66,9 +62,6 @@ class InstanceRegistry:
         if inst is None and instance_id in self._alias:
             inst = self._by_id.get(self._alias[instance_id])
         return inst
-
-    def by_bit(self, bit: int) -> Instance | None:
-        return self._by_bit.get(bit)
 
     def add(self, instance_id: str, *, url: str | None = None, models: set[str] | None = None,
             replay_endpoint: str | None = None, events_endpoint: str | None = None,

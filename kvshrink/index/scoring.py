@@ -5,10 +5,11 @@ block hashes are looked up in the index; an instance's matched prefix is the lon
 consecutive blocks it holds from the start, each block counted on the fastest tier holding it.
 When several block sizes cover the same instance the per-token best tier wins.
 
-Cost (a 32K-token prompt, 64 instances): hashing 2048 blocks is the one per-block Python loop
-left; lookups and run detection run in C (``BlockIndex.prefix_runs``), and everything per
-instance — holders, tiers, scores, ranking — is a handful of numpy operations over a
-``[runs, instances]`` matrix, not Python loops over instances × blocks.
+Cost (a 32K-token prompt, 64 instances): hashing 2048 blocks is a dozen numpy operations over the
+tokens (``hashing.chain_hashes``, no per-block Python loop); lookups and run detection run in C
+(``BlockIndex.prefix_runs``), and everything per instance — holders, tiers, scores, ranking — is a
+handful of numpy operations over a ``[runs, instances]`` matrix, not Python loops over instances ×
+blocks.
 
 Score of instance ``i`` for a prompt of ``N`` tokens (weights from ``scoring`` in the YAML)::
 

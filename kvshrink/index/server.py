@@ -16,7 +16,6 @@ import uvicorn
 from kvshrink.errors import KVShrinkError
 from kvshrink.index.app import create_app
 from kvshrink.index.config import IndexConfig
-from kvshrink.polling import poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +66,15 @@ class IndexServer:
     def start(self, timeout: float = 20.0) -> "IndexServer":
         self._thread = threading.Thread(target=self._server.run, name="kvshrink-index-http", daemon=True)
         self._thread.start()
-        thread = self._thread
-
-        def started() -> bool:
-            if self._server.started:
-                return True
-            if not thread.is_alive():
+        # uvicorn sets ``started`` and offers nothing to wait on; a thread that ends first failed
+        # (port taken, app start-up raised).
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive():
                 raise KVShrinkError(f"index service failed to start on {self.url} (see log)")
-            return False
-
-        poll_until(started, timeout, interval=0.02, what=f"the index service on {self.url}", error=KVShrinkError)
+            if time.monotonic() >= deadline:
+                raise KVShrinkError(f"timed out waiting for the index service on {self.url} after {timeout:.0f} s")
+            time.sleep(0.02)
         return self
 
     def stop(self) -> None:

@@ -7,14 +7,17 @@ Usage::
         store.put(key, kv).result()      # True once durable on the put tiers
         chunk = store.get(key)           # bit-exact, or None
 
-Module map: ``config`` (YAML -> dataclasses), ``tier`` (the tier contract), ``arena`` + ``dram``,
-``ssd`` + ``ssd_index``, ``redis_tier``, ``frames`` (codec method per tier), ``engine`` (staging
-buffers and bounded worker lanes), ``tiered`` (TieredStore), ``stats`` (counters, Prometheus).
+Module map: ``config`` (YAML -> dataclasses), ``tier_base`` (the tier contract), ``arena`` +
+``dram`` (+ ``shm_file``), ``ssd`` + ``ssd_index``, ``redis_tier``, ``tier_codecs`` (which codec
+method and level each tier uses), ``copy_engine`` (staging buffers and bounded worker lanes),
+``tiered`` (TieredStore) with ``ledger`` (copies in flight) and ``drops`` (drop listeners), ``stats``
+(counters, Prometheus). ``tiered`` is the top: no other module here imports it
+(docs/architecture.md).
 """
 
 from kvshrink.store.config import EngineConfig, StoreConfig, TierConfig
 from kvshrink.store.stats import StoreCollector
-from kvshrink.store.tier import MAX_KEY_BYTES, Tier, TierFullError
+from kvshrink.store.tier_base import MAX_KEY_BYTES, Tier, TierFullError
 from kvshrink.store.tiered import TieredStore
 
 __all__ = ["TieredStore", "StoreConfig", "TierConfig", "EngineConfig", "Tier", "TierFullError", "StoreCollector",

@@ -57,7 +57,7 @@ import numpy as np
 
 from kvshrink.errors import CorruptDataError, StoreUnavailableError
 from kvshrink.store.shm_file import open_owner, open_reader, reserve
-from kvshrink.store.tier import MAX_KEY_BYTES
+from kvshrink.store.tier_base import MAX_KEY_BYTES
 
 SUPERBLOCK = 4096
 ALIGN = 64

@@ -13,7 +13,7 @@ place), then the store's planned victims, then the rest oldest first, pinned chu
 pinned old copy of the key only as a last resort), until a hole would fit; of those, only the
 fewest neighbours that make that hole large enough are freed, so a chunk is evicted only when
 the room needs it. When no hole can be made, nothing is evicted and the
-:class:`~kvshrink.store.tier.TierFullError` gives the sizes (frame, capacity, largest free hole,
+:class:`~kvshrink.store.tier_base.TierFullError` gives the sizes (frame, capacity, largest free hole,
 largest hole evicting could make, pinned bytes). ``plan_eviction`` runs the same plan.
 
 The arena's pages are reserved when the owner opens it: a ``/dev/shm`` too small for the
@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 from kvshrink.errors import CorruptDataError, StoreUnavailableError
 from kvshrink.store.arena import SUPERBLOCK, Arena, Block, Room, block_size_for
 from kvshrink.store.config import TierConfig
-from kvshrink.store.tier import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
+from kvshrink.store.tier_base import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from kvshrink.errors import ConfigError, StoreUnavailableError
 from kvshrink.store.config import TierConfig
-from kvshrink.store.tier import Buffer, KeepVictims, Tier, Victim
+from kvshrink.store.tier_base import Buffer, KeepVictims, Tier, Victim
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ import numpy as np
 from kvshrink.errors import StoreUnavailableError
 from kvshrink.store.config import TierConfig
 from kvshrink.store.ssd_index import DELETE, PUT, IndexLog
-from kvshrink.store.tier import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
+from kvshrink.store.tier_base import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 per tier and per engine lane, plus a few gauges (bytes and chunks held).
 
 :meth:`TieredStore.stats` returns plain dicts; :class:`StoreCollector` exposes the same numbers to
-``prometheus_client`` (``REGISTRY.register(StoreCollector(store))``) without a second bookkeeping.
+``prometheus_client`` (``REGISTRY.register(StoreCollector(store.stats))``: it takes the callable,
+read at every scrape) without a second bookkeeping.
 """
 
 from __future__ import annotations

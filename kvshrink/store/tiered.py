@@ -45,11 +45,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from kvshrink.errors import KVShrinkError, StoreUnavailableError
 from kvshrink.store.config import StoreConfig, TierConfig
+from kvshrink.store.copy_engine import CopyEngine
 from kvshrink.store.drops import DROP_COUNTERS, RECENT_DROPS, DropListener, DropListeners  # noqa: F401 (re-exported)
-from kvshrink.store.engine import CopyEngine
 from kvshrink.store.ledger import PUMP_RETRY_S, CopyLedger, Move, Parked  # noqa: F401 (re-exported)
-from kvshrink.store.tier import Tier, check_key
-from kvshrink.store import frames
+from kvshrink.store.tier_base import Tier, check_key
+from kvshrink.store import tier_codecs
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class TieredStore:
     def _store_job(self, key: bytes, chunk: Any, buf: Any) -> bool:
         lost: list[bytes] = []
         try:
-            encoded = frames.FrameSet(chunk=chunk)
+            encoded = tier_codecs.FrameSet(chunk=chunk)
             for n, index in enumerate(self._put_tiers):
                 supersede = n == 0 and len(self.tiers) > 1
                 self._write(index, key, encoded.frame_for(self.tiers[index]), lost, supersede=supersede)
@@ -315,7 +315,7 @@ class TieredStore:
                     move = None  # the parked chunk owns it now
                     continue
                 try:
-                    if not self._write(below, key, frames.convert(frame, self.tiers[below]), lost, move):
+                    if not self._write(below, key, tier_codecs.convert(frame, self.tiers[below]), lost, move):
                         continue
                 except KVShrinkError as exc:
                     self.engine.counters.add("background_errors")
@@ -363,7 +363,7 @@ class TieredStore:
                 key, entry = item
                 target = self.tiers[entry.target]
                 try:
-                    entry.frame = frames.convert(entry.frame, target)
+                    entry.frame = tier_codecs.convert(entry.frame, target)
                 except KVShrinkError as exc:  # a frame that fails to decode: nothing to land
                     self._ledger.unpark(key, entry)
                     self._give_up(key, entry, str(exc))
@@ -437,7 +437,7 @@ class TieredStore:
             frame = self.tiers[self._put_tiers[0]].read_frame(key)
             if frame is None:
                 return  # evicted meanwhile: the eviction demoted (or parked) it
-            converted = frames.FrameSet(frame=frame)
+            converted = tier_codecs.FrameSet(frame=frame)
             for target in targets:
                 if not self._write(target, key, converted.frame_for(self.tiers[target]), lost, move):
                     return  # re-put meanwhile: that put's own write-back follows
@@ -455,7 +455,7 @@ class TieredStore:
             frame = self.tiers[source].read_frame(key)
             if frame is None:
                 return  # evicted meanwhile
-            self._write(0, key, frames.convert(frame, self.tiers[0]), lost, move, promoted_from=source)
+            self._write(0, key, tier_codecs.convert(frame, self.tiers[0]), lost, move, promoted_from=source)
         finally:
             self._ledger.end(move)
             self._report_dropped(lost)
@@ -769,7 +769,7 @@ class TieredStore:
                 if frame is None:
                     continue
                 try:
-                    self._write(index + 1, key, frames.convert(frame, below), lost)
+                    self._write(index + 1, key, tier_codecs.convert(frame, below), lost)
                 except KVShrinkError as exc:
                     self.engine.counters.add("background_errors")
                     log.warning("persisting %s to tier %s failed: %s", key.hex()[:32], below.name, exc)

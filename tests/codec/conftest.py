@@ -11,7 +11,7 @@ from kvshrink.codec import Codec
 @pytest.fixture(scope="session")
 def real_chunks() -> list[np.ndarray]:
     """Four real KV chunks [2, 30, 256, 192] (bf16 as uint16), two per corpus."""
-    from kvshrink.fixtures.real_kv import real_kv_chunks
+    from kvshrink.testing.fixtures.real_kv import real_kv_chunks
 
     return real_kv_chunks(4, 256)
 

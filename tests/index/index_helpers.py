@@ -8,8 +8,8 @@ from typing import Any, Callable
 import msgspec
 
 from kvshrink.index.config import IndexConfig, config_from_dict
-from kvshrink.launch import free_port
-from kvshrink.polling import poll_until
+from kvshrink.testing.launch import free_port
+from kvshrink.testing.polling import poll_until
 
 MODEL = "test-model"
 

@@ -17,7 +17,7 @@ from index_helpers import (MODEL, frames, make_config, vllm_cleared, vllm_payloa
 from kvshrink.index.config import config_from_dict
 from kvshrink.index.state import IndexState
 from kvshrink.index.subscriber import KVEventSubscriber
-from kvshrink.launch import ManagedProcess, free_port
+from kvshrink.testing.launch import ManagedProcess, free_port
 
 PROMPT = list(range(2000, 2000 + 96))
 
@@ -284,7 +284,7 @@ def test_registration_heartbeat_loads_and_timeout(start_index, http):
 def test_prompt_and_messages_are_tokenized_like_vllm(start_index, http):
     from transformers import AutoTokenizer
 
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     ckpt = str(ensure_checkpoint())
     server = start_index(make_config(zmq=False, tokenizers={MODEL: ckpt}))

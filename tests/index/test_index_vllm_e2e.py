@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from index_helpers import make_config, wait_for
 from kvshrink.index.server import IndexServer
-from kvshrink.launch import LOOPBACK, ManagedProcess, VLLMServer, free_port, log_tail
+from kvshrink.testing.launch import LOOPBACK, ManagedProcess, VLLMServer, free_port, log_tail
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 MODEL = "smollm2"
@@ -76,7 +76,7 @@ def _served(url: str) -> float:
 def cluster():
     from transformers import AutoTokenizer
 
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     ckpt = ensure_checkpoint()
     ports = {n: (free_port(), free_port()) for n in "AB"}

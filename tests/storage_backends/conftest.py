@@ -34,7 +34,7 @@ E2E_PROMPT_TOKENS = 2200
 
 @pytest.fixture(scope="session")
 def model() -> Path:
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     return ensure_checkpoint()
 
@@ -50,7 +50,7 @@ def prompt() -> list[int]:
 @pytest.fixture(scope="session")
 def plain_tokens(model, prompt) -> list[int]:
     """Greedy output of vLLM without any KV connector: the reference every cached run must equal."""
-    from kvshrink.launch import VLLMServer
+    from kvshrink.testing.launch import VLLMServer
 
     from l2_harness import greedy
 

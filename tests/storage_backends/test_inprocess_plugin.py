@@ -15,7 +15,7 @@ import torch
 import yaml
 from l2_harness import SHM_DIR
 
-from kvshrink.launch import free_port
+from kvshrink.testing.launch import free_port
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.event_manager import EventManager

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from l2_harness import SHM_DIR, greedy, plugin_json
 
-from kvshrink.storage_backends.mp_observe import (RESTART_GAP_S, adapter_status, cache_counters,
-                                                  connector_config_with_heartbeat, wait_for_engine, wait_for_store)
+from kvshrink.testing.mp_observe import (RESTART_GAP_S, adapter_status, cache_counters,
+                                        connector_config_with_heartbeat, wait_for_engine, wait_for_store)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -51,7 +51,7 @@ class Stack:
             {"kind": "ssd", "path": str(self.ssd), "capacity": "2GiB", "write_back": True}]}})
 
     def start_cache(self) -> None:
-        from kvshrink.launch import LMCacheServer
+        from kvshrink.testing.launch import LMCacheServer
 
         self.generation += 1
         self.cache = LMCacheServer(port=self.port, l1_size_gb=0.5, l2_adapters=[self.adapter_spec()],
@@ -67,7 +67,7 @@ class Stack:
         time.sleep(RESTART_GAP_S)  # vLLM must notice the outage to register with the next server
 
     def start_vllm(self) -> None:
-        from kvshrink.launch import VLLMServer
+        from kvshrink.testing.launch import VLLMServer
 
         self.generation += 1
         self.vllm = VLLMServer(self.model, kv_transfer_config=connector_config_with_heartbeat(self.cache),

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kvshrink.launch import free_port
+from kvshrink.testing.launch import free_port
 from l2_harness import (SHM_DIR, L2Driver, RecordingListener, build_from_json, contents, dram_ssd_store,
                         empty_like_obj, memory_obj, object_key, plugin_json)
 

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from l2_harness import L2Driver, RecordingListener, memory_obj, object_key
 
-from kvshrink.polling import poll_until
+from kvshrink.testing.polling import poll_until
 from kvshrink.storage_backends.keys import encode_object_key
 
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from l2_harness import SHM_DIR
 
-from kvshrink.launch import free_port
-from kvshrink.polling import poll_until
+from kvshrink.testing.launch import free_port
+from kvshrink.testing.polling import poll_until
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
 from kvshrink.cli import main as kvshrink_main
@@ -185,7 +185,7 @@ def test_server_section_keys_reach_the_command_line(tmp_path, shm_name):
 
 
 def test_the_test_launcher_builds_its_command_with_the_same_function(tmp_path):
-    from kvshrink.launch import LOOPBACK, LMCacheServer
+    from kvshrink.testing.launch import LOOPBACK, LMCacheServer
 
     adapter = {"type": "plugin", "module_path": "m", "class_name": "C", "adapter_params": {}}
     server = LMCacheServer(l1_size_gb=0.3, l2_adapters=[adapter], chunk_size=64, extra_args=["--x"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvshrink.launch import free_port
+from kvshrink.testing.launch import free_port
 
 MiB = 2**20
 SHM_NAME = "kvshrink-check-shm"

@@ -201,7 +201,7 @@ def test_index_append_failure_leaves_no_torn_record(tmp_path):
 
 
 def test_lru_order_touch_plan_first_and_pins():
-    from kvshrink.store.tier import LruIndex
+    from kvshrink.store.tier_base import LruIndex
 
     lru = LruIndex("lru")
     for key in (b"a", b"b", b"c", b"d"):
@@ -218,7 +218,7 @@ def test_lru_order_touch_plan_first_and_pins():
 
 
 def test_lru_candidates_beyond_the_first_window():
-    from kvshrink.store.tier import LruIndex
+    from kvshrink.store.tier_base import LruIndex
 
     lru = LruIndex("lru")
     for i in range(600):

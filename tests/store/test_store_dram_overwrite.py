@@ -21,8 +21,9 @@ import uuid
 
 import numpy as np
 import pytest
+from tier_contract import encode_for
 
-from kvshrink.store import TieredStore, TierFullError, frames
+from kvshrink.store import TieredStore, TierFullError
 from kvshrink.store.arena import SUPERBLOCK, block_size_for
 from kvshrink.store.config import TierConfig
 from kvshrink.store.dram import DramTier
@@ -56,7 +57,7 @@ def chunk(kib: float, seed: int) -> np.ndarray:
 def put(tier: DramTier, key: bytes, data: np.ndarray, *, plan: bool = True) -> list[bytes]:
     """Write as the store does (plan, then write with the plan first); the victims' keys, which
     must be what the plan named."""
-    frame = frames.encode_for(data, tier)
+    frame = encode_for(data, tier)
     planned = tier.plan_eviction(key, len(frame)) if plan else []
     victims = tier.write_frame(key, frame, keep_victims=True, evict_first=planned)
     got = [v.key for v in victims]
@@ -86,7 +87,7 @@ def test_overwrite_in_a_full_arena_replaces_in_place_and_evicts_nothing(make_tie
     a, k1, b, k2 = chunk(40, 1), chunk(60, 2), chunk(50, 3), chunk(60, 4)
     for key, data in ((b"a", a), (b"k", k1), (b"b", b)):
         assert put(tier, key, data) == []
-    assert tier._arena.largest_free() < block_size_for(1, len(frames.encode_for(k2, tier)))  # it is full
+    assert tier._arena.largest_free() < block_size_for(1, len(encode_for(k2, tier)))  # it is full
     assert put(tier, b"k", k2) == []
     assert reads_back(tier, b"k", k2) and reads_back(tier, b"a", a) and reads_back(tier, b"b", b)
     stats = tier.stats()
@@ -148,7 +149,7 @@ def _numbers(message: str) -> set[int]:
 def test_a_frame_larger_than_the_arena_names_both_sizes(make_tier):
     tier = make_tier(160 * KiB)
     put(tier, b"a", chunk(40, 1))
-    frame = frames.encode_for(chunk(200, 2), tier)
+    frame = encode_for(chunk(200, 2), tier)
     with pytest.raises(TierFullError) as caught:
         tier.write_frame(b"big", frame)
     assert {len(frame), tier.capacity_bytes} <= _numbers(str(caught.value)), caught.value
@@ -162,7 +163,7 @@ def test_no_room_behind_pinned_chunks_evicts_nothing_and_says_why(make_tier):
     c = chunk(30, 3)
     for key, data in ((b"a", chunk(40, 1)), (b"b", chunk(50, 2)), (b"c", c)):
         put(tier, key, data)
-    frame = frames.encode_for(chunk(80, 4), tier)
+    frame = encode_for(chunk(80, 4), tier)
     assert tier.plan_eviction(b"d", len(frame)) == []
     with pytest.raises(TierFullError) as caught:
         tier.write_frame(b"d", frame)
@@ -182,7 +183,7 @@ def test_a_read_of_the_old_copy_in_progress_finishes_on_the_old_bytes(make_tier)
     k1, k2 = chunk(60, 2), chunk(60, 4)
     for key, data in ((b"a", chunk(40, 1)), (b"k", k1), (b"b", chunk(50, 3))):
         put(tier, key, data)
-    old = frames.encode_for(k1, tier)
+    old = encode_for(k1, tier)
     done = threading.Event()
     writer = threading.Thread(target=lambda: (put(tier, b"k", k2, plan=False), done.set()))
     with tier._open_frame(b"k") as view:  # a read in progress holds the old block
@@ -197,7 +198,7 @@ def test_a_read_of_the_old_copy_in_progress_finishes_on_the_old_bytes(make_tier)
 def test_a_reader_in_another_process_gets_a_version_or_a_miss_never_a_mix(make_tier, tmp_path):
     tier = make_tier(4 * MiB)
     versions = [chunk(1024, seed) for seed in (11, 12)]
-    encoded = [frames.encode_for(v, tier) for v in versions]
+    encoded = [encode_for(v, tier) for v in versions]
     put(tier, b"filler", chunk(2600, 13))  # no room beside k: every overwrite is in place
     put(tier, b"k", versions[0])
     out = tmp_path / "seen.txt"
@@ -264,7 +265,7 @@ def test_random_puts_and_overwrites_keep_the_contract(make_tier, seed):
             model.pop(key, None)
             continue
         data = chunk(rng.choice([4, 8, 16, 24, 40, 50, 60, 80, 100, rng.uniform(1, 120)]), rng.randrange(2**32))
-        frame = frames.encode_for(data, tier)
+        frame = encode_for(data, tier)
         need = block_size_for(len(key), len(frame))
         before = dict(tier._blocks)
         others = {k for k in before if k not in pinned and k != key}

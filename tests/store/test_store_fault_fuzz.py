@@ -970,7 +970,7 @@ def answers_ping(url: str, timeout: float = 15.0) -> None:
     """Wait until a resumed redis-server answers again."""
     import redis
 
-    from kvshrink.polling import poll_until
+    from kvshrink.testing.polling import poll_until
 
     def ping() -> bool:
         try:

@@ -1,4 +1,4 @@
-"""The contract every tier fulfils (kvshrink/store/tier.py docstring), as tests a tier mixes in.
+"""The contract every tier fulfils (kvshrink/store/tier_base.py docstring), as tests a tier mixes in.
 
 A test class for a tier subclasses :class:`TierContract` and provides three fixtures-backed
 hooks: ``make_tier(capacity=None)`` builds a tier (closed at teardown), ``reopen(tier)`` closes it
@@ -15,19 +15,24 @@ import numpy as np
 import pytest
 
 from kvshrink.codec import OutputMismatchError, encode, read_header
-from kvshrink.store import frames
-from kvshrink.store.tier import MAX_KEY_BYTES, Tier
+from kvshrink.store.tier_base import MAX_KEY_BYTES, Tier
+from kvshrink.store.tier_codecs import FrameSet
 
 HOSTILE_KEYS = [b"../../../../etc/passwd", b"/tmp/absolute", b"..", b".", b"a/b\\c", b"\x00\xff\x00",
                 b"%2e%2e%2f", b"~root", b"CON", b"*?[]", b"x" * MAX_KEY_BYTES, b"\n\r\t "]
 
 
+def encode_for(chunk: np.ndarray, tier: Tier) -> bytes:
+    """The frame the store would write to ``tier`` for ``chunk`` (its method and level)."""
+    return FrameSet(chunk=chunk).frame_for(tier)
+
+
 def put(tier: Tier, key: bytes, chunk: np.ndarray) -> list:
-    return tier.write_frame(key, frames.encode_for(chunk, tier), keep_victims=True)
+    return tier.write_frame(key, encode_for(chunk, tier), keep_victims=True)
 
 
 def frame_size(tier: Tier, chunk: np.ndarray) -> int:
-    return len(frames.encode_for(chunk, tier))
+    return len(encode_for(chunk, tier))
 
 
 class TierContract:
@@ -176,7 +181,7 @@ class TierContract:
         assert tier.stats()["quarantined"] == 0
 
     def test_bad_keys_are_rejected_before_storing(self, make_tier, small_chunks):
-        from kvshrink.store.tier import check_key
+        from kvshrink.store.tier_base import check_key
 
         for bad, error in (("text", TypeError), (b"", ValueError), (b"x" * (MAX_KEY_BYTES + 1), ValueError)):
             with pytest.raises(error):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvshrink.codec import FORMAT_VERSION, Codec, read_header
-from kvshrink.fixtures.real_kv import real_kv_chunks
+from kvshrink.testing.fixtures.real_kv import real_kv_chunks
 
 HERE = Path(__file__).resolve().parent
 

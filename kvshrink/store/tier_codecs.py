@@ -1,4 +1,4 @@
-"""Which codec frame a tier stores, and moving frames between tiers.
+"""Which codec each tier uses (method and level from its config), and moving frames between tiers.
 
 Every tier stores codec frames, compressed or not, so every read is checksum-verified: an
 uncompressed tier uses the codec's ``raw`` method (header + checksum + bytes). This module is the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvshrink.store.tier import Tier
+from kvshrink.store.tier_base import Tier
 
 RAW_METHOD = "raw"
 
@@ -19,10 +19,6 @@ def method_of(tier: Tier) -> tuple[str, int]:
     if not tier.compressed:
         return RAW_METHOD, 0
     return tier.config.method, tier.config.level
-
-
-def encode_for(chunk: Any, tier: Tier) -> bytes:
-    return FrameSet(chunk=chunk).frame_for(tier)
 
 
 def frame_method(frame: Any) -> str:

