@@ -27,7 +27,10 @@ import httpx
 
 from kvshrink.configs import shipped_path
 
-IN_PROCESS_CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+# KVShrink's LMCache connector, loaded by vLLM by module path (kvshrink.plugins.lmcache_cpu_connector):
+# LMCache's in-process connector with our CPU connector in LMCache's engine.
+IN_PROCESS_CONNECTOR = {"kv_connector": "KVShrinkLMCacheConnector",
+                        "kv_connector_module_path": "kvshrink.plugins.lmcache_cpu_connector", "kv_role": "kv_both"}
 DEFAULT_CONFIG = shipped_path("lmcache-inprocess-cpu.yaml")  # installed with the package
 
 _LOOKUP = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
@@ -76,7 +79,11 @@ def greedy_token_ids(base_url: str, model: str, prompt: Sequence[int], max_token
 
 def in_process_server(model: Path | str, config_file: Path | str, *, seed: str | None = "0",
                       log_path: Path | None = None, env: Mapping[str, str] | None = None):
-    """A ``VLLMServer`` running LMCache in-process from ``config_file``; ``seed=None`` leaves PYTHONHASHSEED unset."""
+    """A ``VLLMServer`` running LMCache in-process from ``config_file`` through :data:`IN_PROCESS_CONNECTOR`.
+
+    ``VLLM_PLUGINS=kvshrink`` loads only our general plugin, which seeds the hash of vLLM's child
+    processes; ``seed=None`` leaves ``PYTHONHASHSEED`` unset so that it has to.
+    """
     from kvshrink.launch import VLLMServer
 
     server = VLLMServer(model, kv_transfer_config=IN_PROCESS_CONNECTOR, log_path=log_path,

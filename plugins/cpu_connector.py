@@ -5,8 +5,9 @@ through a connector chosen by ``lmcache.v1.gpu_connector.CreateGPUConnector``, w
 CPU. This one reads vLLM CPU's per-layer caches (see :mod:`kvshrink.plugins.cpu_kv_layout` for
 their layout) by ``slot_mapping`` into LMCache's ``KV_2LTD`` objects ``[2, layers, tokens,
 heads*head_dim]`` and writes them back with vLLM's own cache writer. Everything is vectorised per
-layer; nothing loops over tokens in Python. It is created by the patch that
-:mod:`kvshrink.plugins.vllm_plugin` installs, never imported at plugin load.
+layer; nothing loops over tokens in Python. LMCache's engine gets it from our KV connector,
+:class:`~kvshrink.plugins.lmcache_cpu_connector.KVShrinkLMCacheConnector`, through
+:func:`create_cpu_connector`.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ and the workers. Hence two steps:
   LMCache config file is named (``LMCACHE_CONFIG_FILE``, how the in-process connector is
   configured). Only then: a fixed seed also gives up Python's hash-flooding protection (and vLLM's
   random seed for xxhash block hashes), which is LMCache's requirement, not every vLLM user's.
-- :func:`check_process_hash_seed` wherever LMCache's in-process connector starts refuses a process
-  that is still unseeded: no config file named, or the engine core run inside the first process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+- :func:`check_process_hash_seed`, called by our KV connector
+  (:class:`~kvshrink.plugins.lmcache_cpu_connector.KVShrinkLMCacheConnector`) before LMCache starts,
+  refuses a process that is still unseeded: no config file named, or the engine core run inside the
+  first process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End to end: vLLM CPU + LMCacheConnectorV1 + the kvshrink plugin, real SmolLM2, real LMCache.
+"""End to end: vLLM CPU + KVShrink's LMCache connector (kv_connector_module_path), real SmolLM2, real LMCache.
 
 A ~2K-token prompt is sent twice; LMCache's own log lines must show the first request stored and
 the second retrieved whole chunks, and the greedy tokens must equal plain vLLM's, token for token.
@@ -75,7 +75,7 @@ def test_second_request_is_served_from_lmcache_and_matches_plain_vllm(model, pro
     server = in_process_server(model, DEFAULT_CONFIG, log_path=tmp_path / "vllm.log", env=SERVER_ENV)
     outputs, activity = _serve_twice(server, prompt)
     log = server.log_path.read_text(errors="replace")
-    assert "KVShrink CPU connector installed into LMCache" in log
+    assert "engine uses the KVShrink CPU connector" in log
     assert "CPU connector bound to 30 KV layers" in log
     _assert_stored_then_retrieved(activity)
     assert outputs == [plain_tokens, plain_tokens]

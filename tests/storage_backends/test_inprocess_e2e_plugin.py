@@ -1,5 +1,6 @@
-"""End to end, in-process mode: vLLM CPU + LMCacheConnectorV1 (the kvshrink CPU connector plugin)
-+ our storage plugin selected from the shipped LMCache YAML, real SmolLM2.
+"""End to end, in-process mode: vLLM CPU + KVShrink's LMCache connector (LMCache's in-process
+connector with our CPU connector, loaded by kv_connector_module_path) + our storage plugin selected
+from the shipped LMCache YAML, real SmolLM2.
 
 The prompt is sent twice (stored, then retrieved: LMCache's own log lines say so) and the greedy
 tokens equal plain vLLM's. Then vLLM is restarted with our DRAM arena removed: LMCache's
@@ -66,6 +67,7 @@ def test_two_requests_then_a_restart_served_by_our_storage_plugin(model, prompt,
             assert wait_for_files(tmp_path / "ssd", WHOLE_CHUNK_TOKENS // 256) == WHOLE_CHUNK_TOKENS // 256
         log = server.log_path.read_text(errors="replace")
         assert "Created dynamic backend: kvshrink" in log
+        assert "engine uses the KVShrink CPU connector" in log
         activity = LMCacheActivity.from_log(log)
         assert activity.stored_tokens[:1] == [WHOLE_CHUNK_TOKENS]
         assert activity.retrieved_tokens == [WHOLE_CHUNK_TOKENS]
