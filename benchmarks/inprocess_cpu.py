@@ -57,8 +57,8 @@ def prompt_token_ids(num_tokens: int, corpus: str = "code") -> list[int]:
     """``num_tokens`` token ids of real text; "code" is the corpus of the real-KV fixture."""
     from transformers import AutoTokenizer
 
-    from kvshrink.fixtures.real_kv import corpus_text
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.fixtures.real_kv import corpus_text
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     ids = AutoTokenizer.from_pretrained(ensure_checkpoint())(corpus_text(corpus)).input_ids
     if len(ids) < num_tokens:
@@ -84,7 +84,7 @@ def in_process_server(model: Path | str, config_file: Path | str, *, seed: str |
     ``VLLM_PLUGINS=kvshrink`` loads only our general plugin, which seeds the hash of vLLM's child
     processes; ``seed=None`` leaves ``PYTHONHASHSEED`` unset so that it has to.
     """
-    from kvshrink.launch import VLLMServer
+    from kvshrink.testing.launch import VLLMServer
 
     server = VLLMServer(model, kv_transfer_config=IN_PROCESS_CONNECTOR, log_path=log_path,
                         env={"LMCACHE_CONFIG_FILE": str(config_file), "VLLM_PLUGINS": "kvshrink",
@@ -99,7 +99,7 @@ def in_process_server(model: Path | str, config_file: Path | str, *, seed: str |
 
 def _measure(server: Any, prompt: list[int], warmup: list[int], requests: int, max_tokens: int) -> dict[str, Any]:
     """First a different prompt (the process's one-time start-up costs), then ``prompt`` ``requests`` times."""
-    from kvshrink.streaming_client import stream_completion
+    from kvshrink.testing.streaming_client import stream_completion
 
     with server:
         server.start()
@@ -126,8 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
-    from kvshrink.launch import VLLMServer
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.launch import VLLMServer
 
     model = ensure_checkpoint()
     prompt = prompt_token_ids(args.prompt_tokens)

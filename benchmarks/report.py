@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 from kvshrink.benchmarks.bench_extra import pyplot
 from kvshrink.benchmarks.comparison import OURS, STOCK, IncomparableError, check_rows
 
-PLOT_FILES = {"hit_rate": "hit_rate_vs_budget.png", "ttft": "ttft_by_context.png", "codec": "ratio_vs_speed.png",
+PLOT_FILES = {"hit_rate": "hit_rate_vs_budget.png", "e2e": "agent_replay_e2e.png", "codec": "ratio_vs_speed.png",
               "throughput": "l2_throughput.png"}
 
 
@@ -148,7 +148,7 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
     lines = ["## Benchmark: KVShrink vs stock LMCache", "",
              f"Measured side by side in one run on {m.get('cpus', '?')} CPU cores ({m.get('cpu_model', '?')}, "
              f"{_flags(m)}; {m.get('platform', '')}), "
-             f"LMCache {m.get('lmcache', '?')}, vLLM {m.get('vllm', '?')}, SmolLM2-135M bf16, "
+             f"LMCache {m.get('lmcache', '?')}, vLLM {m.get('vllm', '?')}, SmolLM2-135M (bf16 weights; the e2e section computes in fp32 with a bf16 KV cache), "
              f"{report.get('started', '')}; load average {m.get('loadavg_before', ['?'])[0]} before, "
              f"{m.get('loadavg_after', ['?'])[0]} after. Absolute times on a shared CPU machine are indicative; "
              "ratios are the result.", "", "```bash", report.get("command", "kvshrink bench"), "```", "",
@@ -161,7 +161,7 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     lines.append("")
-    for key, title in (("hit_rate", "Hit rate vs cache budget"), ("ttft", "TTFT by context length"),
+    for key, title in (("hit_rate", "Hit rate vs cache budget"), ("e2e", "Agent replay end to end on vLLM"),
                        ("codec", "Compression ratio vs speed"), ("throughput", "L2 adapter throughput")):
         name = report.get("plots", {}).get(key)
         if name:
@@ -175,7 +175,7 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
     pyplot()  # the bench extra, or an ImportError that says how to install it
     written = {}
     sections = report["sections"]
-    for key, section, draw in (("hit_rate", "capacity", _plot_hit_rate), ("ttft", "e2e", _plot_ttft),
+    for key, section, draw in (("hit_rate", "capacity", _plot_hit_rate), ("e2e", "e2e", _plot_e2e),
                                ("codec", "codec", _plot_codec), ("throughput", "throughput", _plot_throughput)):
         if sections.get(section, {}).get("status") == "ok":
             path = out_dir / PLOT_FILES[key]
@@ -215,26 +215,48 @@ def _plot_hit_rate(figures: Mapping[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
-def _plot_ttft(figures: Mapping[str, Any], path: Path) -> None:
+def _plot_e2e(figures: Mapping[str, Any], path: Path) -> None:
+    """Agent replay end to end: hit rate and total prefill per budget, every stack; hot-path ratios."""
     plt = pyplot()
     import numpy as np
 
-    lengths = figures["lengths"]
-    scenarios = ("cold", "warm_dram", "warm_l2", "warm_ssd")
-    fig, ax = plt.subplots(figsize=(11, 4.8))
-    x = np.arange(len(lengths))
-    width = 0.1
-    for i, scenario in enumerate(scenarios):
-        for j, (side, color) in enumerate(((STOCK, "tab:blue"), (OURS, "tab:red"))):
-            values = [figures[side][f"{n}.{scenario}_ttft_s"] for n in lengths]
-            offset = (i * 2 + j - 3.5) * width
-            ax.bar(x + offset, values, width, color=color, alpha=(1.0, 0.75, 0.55, 0.35)[i],
-                   label=f"{side} {scenario.replace('_', ' ')}")
-    ax.set_xticks(x, [f"{n} tokens" for n in lengths])
-    ax.set_yscale("log")
-    ax.set(ylabel="TTFT (s), log scale", title="vLLM CPU + SmolLM2: TTFT by context length (lower is better)")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    ax.grid(axis="y", alpha=0.3)
+    replay = figures["replay"]
+    keys = list(replay[0]["figures"]) if replay else []
+    colors = {"ours": "tab:red", "staging": "tab:blue", "l1-all-dram": "tab:cyan"}
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [2, 2, 1.2]})
+    x = np.arange(len(replay))
+    labels = [f"{e['budget']['dram_mib'] + e['budget']['ssd_mib']:.0f} MiB" for e in replay]
+    width = 0.8 / max(1, len(keys))
+    for j, key in enumerate(keys):
+        name = OURS if key == "ours" else f"{STOCK} ({key})"
+        color = colors.get(key, None)
+        left.plot(x, [e["figures"][key]["hit_rate"] * 100 for e in replay], "o-", color=color, label=name)
+        middle.bar(x + (j - (len(keys) - 1) / 2) * width, [e["figures"][key]["prefill_s"] for e in replay], width,
+                   color=color, label=name)
+    for i, e in enumerate(replay):
+        p = e["prefill_ratio"]
+        middle.annotate(f"{p['value']:.2f}x\n[{p['low']:.2f}-{p['high']:.2f}]", (i, 0), xytext=(0, -34),
+                        textcoords="offset points", ha="center", fontsize=7)
+    left.set_xticks(x, labels)
+    middle.set_xticks(x, labels)
+    left.set(xlabel="budget behind L1 (DRAM + SSD)", ylabel="LMCache hit rate (% of prompt tokens)",
+             title="Agent replay on vLLM: hit rate")
+    middle.set(ylabel="total prefill = sum of TTFT (s)", title="Agent replay: total prefill (ours/stock-best, 95 %)")
+    hot = figures["hot"]
+    names = [("warm_l1", "L1 (adapter idle)"), ("warm_l2", "first L2 tier")]
+    for i, (label, title) in enumerate(names):
+        r = hot[label]["ratio"]
+        right.errorbar([i], [r["median"]], yerr=[[r["median"] - r["low"]], [r["high"] - r["median"]]], fmt="o",
+                       color="tab:red", capsize=4)
+        right.hlines(hot[label]["target"], i - 0.3, i + 0.3, colors="green", linestyles="--", linewidth=1)
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set_xticks(range(len(names)), [t for _, t in names], fontsize=8)
+    right.set_xlim(-0.6, len(names) - 0.4)
+    right.set(ylabel="warm TTFT ours / stock (median, 95 %)", title="Hot path (target dashed)")
+    for ax in (left, middle, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    middle.legend(fontsize=7)
     _save(fig, path)
 
 

@@ -3,7 +3,7 @@
 Sections (``--sections``, default all): ``codec`` (ratio and GB/s on real SmolLM2 KV),
 ``capacity`` (agent-trace hit rate vs cache budget through LMCache's in-process storage stack),
 ``throughput`` (L2 adapter store / load GB/s, DRAM and SSD tiers, 1 and 2 threads), ``e2e``
-(vLLM CPU + SmolLM2 through ``lmcache server``: TTFT cold / warm, multi-turn agent replay).
+(paired stacks of vLLM CPU + SmolLM2 through ``lmcache server``: hot-path TTFT, restart, agent replay per budget).
 
 Our side runs the shipped default store (``configs/store-default.yaml``; ``--store-config`` names
 another file) in every section with a store, each section moving and resizing it only (paths,
@@ -30,7 +30,7 @@ SECTION_NAMES = ("codec", "capacity", "throughput", "e2e")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes: under 5 minutes (default: full, under 30)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 AVX2 cores (default: full, under 40)")
     parser.add_argument("--sections", default=",".join(SECTION_NAMES),
                         help=f"comma-separated subset of {','.join(SECTION_NAMES)} (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/<timestamp>/)")

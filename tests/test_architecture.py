@@ -54,15 +54,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Old module paths that re-export their new home in the harness until every caller is updated.
 # Each may import exactly that module and nothing else; delete the file, then its line here.
-TEMPORARY_SHIMS: dict[str, str] = {
-    "kvshrink/launch.py": "kvshrink.testing.launch",
-    "kvshrink/polling.py": "kvshrink.testing.polling",
-    "kvshrink/streaming_client.py": "kvshrink.testing.streaming_client",
-    "kvshrink/fixtures/__init__.py": "kvshrink.testing.fixtures",
-    "kvshrink/fixtures/real_kv.py": "kvshrink.testing.fixtures.real_kv",
-    "kvshrink/fixtures/smollm2.py": "kvshrink.testing.fixtures.smollm2",
-    "storage_backends/mp_observe.py": "kvshrink.testing.mp_observe",
-}
+TEMPORARY_SHIMS: dict[str, str] = {}  # old module path -> its new home, while callers move
 
 
 def _package_dirs() -> dict[str, str]:

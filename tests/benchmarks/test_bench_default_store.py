@@ -16,9 +16,8 @@ from typing import Any, Mapping
 
 import pytest
 from kvshrink.benchmarks import capacity_replay as cr
-from kvshrink.benchmarks import e2e_ttft
+from kvshrink.benchmarks import e2e_paired as ep
 from kvshrink.benchmarks import l2_throughput as lt
-from kvshrink.benchmarks.cache_server_targets import OURS_CAPACITIES, SideStack
 from kvshrink.benchmarks.comparison import OURS, STOCK
 from kvshrink.benchmarks.suite_sections import Section
 from kvshrink.cli import main
@@ -75,22 +74,15 @@ def test_l2_throughput_runs_the_default_sized_so_that_one_tier_serves(default: S
                                  "ssd": (str(tmp_path / "kvshrink-ssd"), 1 << 30)}
 
 
-def test_e2e_runs_the_default(default: StoreConfig, tmp_path: Path) -> None:
-    spec, shm = e2e_ttft.ours_adapter(tmp_path, None, "t2", 2 << 30)
-    store = spec["adapter_params"]["store"]
-    assert unplaced(store) == default
-    shipped_dram = parse_size(load_store_mapping()["tiers"][0]["capacity"], "capacity")
-    assert placements(store) == {"dram": (shm, min(shipped_dram, 2 << 30)),
-                                 "ssd": (str(tmp_path / "kvshrink-ssd"), 2 << 30)}
-
-
-def test_paired_cache_server_targets_run_the_default(default: StoreConfig, tmp_path: Path) -> None:
-    ours, stock = SideStack(OURS, tmp_path, 0.5), SideStack(STOCK, tmp_path, 0.5)
-    store = ours.adapter()["adapter_params"]["store"]
-    assert unplaced(store) == default
-    assert placements(store) == {"dram": (ours.shm, parse_size(OURS_CAPACITIES["dram"], "dram")),
-                                 "ssd": (str(ours.disk), parse_size(OURS_CAPACITIES["ssd"], "ssd"))}
-    assert stock.adapter() == {"type": "fs", "base_path": str(stock.disk)}
+def test_e2e_runs_the_default_in_every_phase(default: StoreConfig, tmp_path: Path) -> None:
+    hot = ep.hot_arrangement(OURS, tmp_path, "kvshrink-t2", 256, None)
+    replay = ep.replay_arrangement("ours", ep.Budget(dram_mib=12, ssd_mib=36), 32, tmp_path, "kvshrink-t3", None)
+    for arrangement, shm, (dram, ssd) in ((hot, "kvshrink-t2", (1 << 30, 4 << 30)),
+                                          (replay, "kvshrink-t3", (12 << 20, 36 << 20))):
+        store = arrangement.adapter["adapter_params"]["store"]
+        assert unplaced(store) == default
+        assert placements(store) == {"dram": (shm, dram), "ssd": (str(tmp_path / "l2"), ssd)}
+    assert ep.hot_arrangement(STOCK, tmp_path, "unused", 256, None).adapter["type"] == "fs_native"
 
 
 def test_a_derived_store_never_uses_the_machines_default_placement(tmp_path: Path) -> None:

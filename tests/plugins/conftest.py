@@ -14,7 +14,7 @@ from cpu_kv_helpers import DTYPE, HEAD_SIZE, NUM_KV_HEADS, NUM_LAYERS
 @pytest.fixture(scope="session")
 def real_kv_tensor() -> torch.Tensor:
     """Real SmolLM2 KV of 2048 tokens of Python source, LMCache layout [2, 30, 2048, 192], bf16."""
-    from kvshrink.fixtures.real_kv import real_kv
+    from kvshrink.testing.fixtures.real_kv import real_kv
 
     return torch.from_numpy(np.ascontiguousarray(real_kv("code", 2048))).view(torch.bfloat16)
 

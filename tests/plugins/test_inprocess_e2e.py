@@ -20,7 +20,7 @@ from kvshrink.benchmarks.inprocess_cpu import (
     in_process_server,
     prompt_token_ids,
 )
-from kvshrink.polling import poll_until
+from kvshrink.testing.polling import poll_until
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +33,7 @@ SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    from kvshrink.fixtures.smollm2 import ensure_checkpoint
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     return ensure_checkpoint()
 
@@ -46,7 +46,7 @@ def prompt() -> list[int]:
 @pytest.fixture(scope="module")
 def plain_tokens(model: Path, prompt: list[int]) -> list[int]:
     """Greedy output of vLLM without any KV connector."""
-    from kvshrink.launch import VLLMServer
+    from kvshrink.testing.launch import VLLMServer
 
     with VLLMServer(model, env=SERVER_ENV) as server:
         server.start()
@@ -95,7 +95,7 @@ def test_unset_hash_seed_still_hits_and_stores_the_models_kv(model, prompt, plai
     """PYTHONHASHSEED unset: the plugin seeds vLLM's processes. LMCache's disk copy is checked against
     the K and V that Hugging Face transformers computes for the same tokens (the real-KV fixture):
     only a connector that reads vLLM CPU's packed pages correctly stores the model's KV."""
-    from kvshrink.fixtures.real_kv import real_kv
+    from kvshrink.testing.fixtures.real_kv import real_kv
 
     disk = tmp_path / "lmcache-disk"
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())

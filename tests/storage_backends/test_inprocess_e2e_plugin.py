@@ -18,7 +18,7 @@ import yaml
 from l2_harness import SHM_DIR, greedy
 
 from kvshrink.configs import derive_store
-from kvshrink.polling import poll_until
+from kvshrink.testing.polling import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 

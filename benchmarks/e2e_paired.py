@@ -1,0 +1,651 @@
+"""The end-to-end benchmark: stock LMCache and KVShrink as paired stacks on vLLM CPU + SmolLM2.
+
+Each stack is a real ``lmcache server`` (multiprocess LMCache, the runtime LMCache's roadmap keeps)
+with its own vLLM OpenAI server attached (vLLM's own prefix cache off, so every hit is LMCache's).
+Stock's L2 is LMCache's native file-system adapter (``fs_native``, C++ I/O, bounded with LMCache's
+own L2 eviction); ours is :class:`~kvshrink.storage_backends.mp_l2_adapter.KVShrinkL2Adapter`
+over the shipped default store (``configs/store-default.yaml``, moved and resized only, by
+:func:`kvshrink.configs.derive_store`). TTFT is the first streamed token of a streamed completion.
+
+Every step runs on every stack back to back, the order rotating from one step to the next, and a
+stack's background stores finish before the next stack's request starts (``Stack.wait_idle``): load
+from elsewhere on the machine falls on all stacks alike and no stack's writes slow another's
+prefill. Hits are read from LMCache's own lookup counters (``/metrics``), never inferred from time.
+
+Phases:
+
+* **hot path** (large L1 on both, chunks in it): warm TTFT from LMCache's L1 (our adapter idle) and
+  from the first L2 tier (L1 cleared before each request: our DRAM tier vs stock's ``fs_native``
+  files in the page cache); medians of paired ratios with 95 % bootstrap intervals.
+* **restart**: a long prompt cold, both cache servers restarted (our shared-memory DRAM tier removed
+  too, so ours comes from the SSD tier, as stock's from its files), the same prompt again.
+* **agent replay**, the workload the project exists for: an agent trace whose sessions' contexts
+  grow every turn, more KV than the budget, at several budgets. Every stack has the same LMCache
+  L1 in front (``l1_mib``: room for the largest request's chunks, which LMCache's L1 must hold
+  while it loads them into vLLM; not counted in the budget) and the same DRAM + SSD budget behind
+  it: stock runs each of its sensible arrangements -- ``l1-all-dram`` (the DRAM budget added to
+  L1, ``fs_native`` = the SSD budget; LMCache writes every chunk to both) and ``l2-all`` (the whole
+  budget in ``fs_native``: the arrangement ours uses) -- and ours the shipped default store, its DRAM
+  tier = the DRAM budget, its SSD tier = the SSD budget. Reported per budget: hit rate, total
+  prefill time (sum of TTFT) with a 95 % bootstrap interval of ours / stock-at-best, TTFT p50 /
+  p90, bytes held.
+
+Engine: vLLM CPU computes in fp32 with a bf16 KV cache (``ENGINE_ARGS``): on AVX2-only CPUs bf16
+compute is emulated and prefills ~5x slower (1024 tokens: 29 s bf16, 6 s fp32), while the KV, what
+every cache stores, stays bf16 as on a GPU. Both sides run the same engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest, model_fingerprint
+from kvshrink.errors import KVShrinkError
+
+BYTES_PER_TOKEN = 2 * 30 * 192 * 2  # SmolLM2-135M KV in bf16: K and V, 30 layers, 3 KV heads x 64
+MIB = 1 << 20
+ENGINE_ARGS = ("--dtype", "float32", "--kv-cache-dtype", "bfloat16")
+ENGINE_LABEL = "vLLM CPU 0.32, SmolLM2-135M, fp32 compute + bf16 KV cache, prefix cache off"
+L1_FLOOR_MIB = 24  # LMCache's L1 must hold one request's chunks while it loads them into vLLM
+ADAPTER = {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
+           "class_name": "KVShrinkL2Adapter"}
+# stock's L2 eviction at its best: evict late and little, so it keeps nearly all of its budget
+STOCK_L2_EVICTION = {"eviction_policy": "LRU", "trigger_watermark": 0.95, "eviction_ratio": 0.05}
+HOT_TARGET_L1 = 1.03
+HOT_TARGET_L2 = 1.10
+REPLAY_PREFILL_TARGET = 0.85
+REPLAY_HIT_POINTS_TARGET = 0.10
+
+
+class E2EError(KVShrinkError):
+    """A stack did not behave as the benchmark needs (no registration, no store, a failed request)."""
+
+
+# -- what each stack runs ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arrangement:
+    """One stack's cache server for one phase: its L1, its L2 adapter, its extra flags, its policy."""
+
+    l1_mib: float
+    adapter: dict[str, Any]
+    policy: TierPolicy
+    extra_args: tuple[str, ...] = ()
+    shm_name: str | None = None
+    disk: Path | None = None
+
+
+def stock_fs_native(disk: Path, capacity_mib: float) -> dict[str, Any]:
+    return {"type": "fs_native", "base_path": str(disk), "max_capacity_gb": capacity_mib / 1024,
+            "eviction": dict(STOCK_L2_EVICTION)}
+
+
+def ours_adapter(disk: Path, shm_name: str, dram_mib: float, ssd_mib: float, template: Path | None) -> dict[str, Any]:
+    from kvshrink.configs import derive_store
+
+    store = derive_store(template, paths={"ssd": disk}, shm_names={"dram": shm_name},
+                         capacities={"dram": int(dram_mib * MIB), "ssd": int(ssd_mib * MIB)})
+    return {**ADAPTER, "adapter_params": {"store": store}}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes behind LMCache's staging L1: DRAM and SSD, the same for every stack."""
+
+    dram_mib: float
+    ssd_mib: float
+
+    @property
+    def total_mib(self) -> float:
+        return self.dram_mib + self.ssd_mib
+
+    def label(self) -> str:
+        return f"{self.total_mib:.0f} MiB ({self.dram_mib:.0f} DRAM + {self.ssd_mib:.0f} SSD)"
+
+
+STOCK_VARIANTS = ("l1-all-dram", "l2-all")
+
+
+def replay_arrangement(key: str, budget: Budget, l1_mib: float, workdir: Path, shm_name: str,
+                       template: Path | None) -> Arrangement:
+    """The arrangement ``key`` (``ours`` or one of :data:`STOCK_VARIANTS`) of ``budget`` behind an
+    ``l1_mib`` L1."""
+    disk = workdir / "l2"
+    if key == "l1-all-dram":
+        return Arrangement(l1_mib + budget.dram_mib, stock_fs_native(disk, budget.ssd_mib),
+                           TierPolicy(f"stock l1-all-dram: L1 {l1_mib:.0f} + {budget.dram_mib:.0f} MiB, fs_native "
+                                      f"{budget.ssd_mib:.0f} MiB", "inclusive", l1_mib + budget.dram_mib, True),
+                           disk=disk)
+    if key == "l2-all":
+        return Arrangement(l1_mib, stock_fs_native(disk, budget.total_mib),
+                           TierPolicy(f"stock l2-all: L1 {l1_mib:.0f} MiB, fs_native {budget.total_mib:.0f} MiB",
+                                      "inclusive", l1_mib, True), disk=disk)
+    if key == "ours":
+        return Arrangement(l1_mib, ours_adapter(disk, shm_name, budget.dram_mib, budget.ssd_mib, template),
+                           TierPolicy(f"KVShrink: L1 {l1_mib:.0f} MiB, shipped default store {budget.dram_mib:.0f} "
+                                      f"MiB DRAM + {budget.ssd_mib:.0f} MiB SSD (compressed, exclusive)", "exclusive",
+                                      l1_mib, True), shm_name=shm_name, disk=disk)
+    raise ValueError(f"unknown arrangement {key!r}")
+
+
+def hot_arrangement(side: str, workdir: Path, shm_name: str, l1_mib: float, template: Path | None) -> Arrangement:
+    """Roomy: chunks stay in a large L1, every L2 holds everything."""
+    disk = workdir / "l2"
+    if side == STOCK:
+        return Arrangement(l1_mib, stock_fs_native(disk, 4096),
+                           TierPolicy(f"stock: L1 {l1_mib:.0f} MiB + fs_native", "inclusive", l1_mib, True), disk=disk)
+    return Arrangement(l1_mib, ours_adapter(disk, shm_name, 1024, 4096, template),
+                       TierPolicy(f"KVShrink: L1 {l1_mib:.0f} MiB + shipped default store", "inclusive", l1_mib, True),
+                       shm_name=shm_name, disk=disk)
+
+
+# -- one stack --------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One request on one stack: TTFT, LMCache's hit counters around it, the answer."""
+
+    ttft_s: float
+    prompt_tokens: int
+    hit_tokens: float
+    l1_hit_tokens: float
+    l2_hit_tokens: float
+    text: str
+
+
+class Stack:
+    """A cache server (restartable on one port, reconfigurable) with its own vLLM attached."""
+
+    def __init__(self, key: str, side: str, root: Path, log_dir: Path, chunk_tokens: int) -> None:
+        self.key, self.side, self.chunk_tokens = key, side, chunk_tokens
+        self.workdir = root / key
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.shm_name = f"kvshrink-e2e-{uuid.uuid4().hex[:10]}"
+        self.port: int | None = None
+        self.server: Any = None
+        self.vllm: Any = None
+        self.arrangement: Arrangement | None = None
+        self._starts = 0
+
+    def start_cache(self, arrangement: Arrangement) -> None:
+        from kvshrink.testing.launch import LMCacheServer
+
+        self._starts += 1
+        self.arrangement = arrangement
+        self.server = LMCacheServer(port=self.port, l1_size_gb=arrangement.l1_mib / 1024,
+                                    l2_adapters=[arrangement.adapter], extra_args=arrangement.extra_args,
+                                    chunk_size=self.chunk_tokens,
+                                    log_path=self.log_dir / f"lmcache-{self.key}-{self._starts}.log",
+                                    env={"LMCACHE_LOG_LEVEL": "INFO"})
+        self.server.start()
+        self.port = self.server.port
+
+    def launch_vllm(self, model: Path) -> None:
+        from kvshrink.testing.launch import VLLMServer
+        from kvshrink.testing.mp_observe import connector_config_with_heartbeat
+
+        self.vllm = VLLMServer(model, kv_transfer_config=connector_config_with_heartbeat(self.server),
+                               served_model_name="smollm2", extra_args=ENGINE_ARGS, max_model_len=4096,
+                               kv_cache_space_gb=1,  # ~45K tokens of bf16 KV: the longest request needs 2.5K
+                               log_path=self.log_dir / f"vllm-{self.key}.log")
+        self.vllm.launch()
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        from kvshrink.testing.mp_observe import wait_for_engine
+
+        self.vllm.wait_serving(timeout)
+        wait_for_engine(self.server.http_url)
+        self.throwaway()
+
+    def reconfigure(self, arrangement: Arrangement, wipe: bool = True) -> None:
+        """Stop the cache server, remove its data (``wipe``) or only our DRAM arena, start it with
+        ``arrangement`` on the same port and wait until vLLM has registered again."""
+        from kvshrink.testing.mp_observe import RESTART_GAP_S, wait_for_engine
+
+        self.server.stop()
+        self._drop_arena()
+        if wipe and self.arrangement is not None and self.arrangement.disk is not None:
+            shutil.rmtree(self.arrangement.disk, ignore_errors=True)
+        time.sleep(RESTART_GAP_S)  # vLLM re-registers only once its heartbeat has seen the server gone
+        self.start_cache(arrangement)
+        wait_for_engine(self.server.http_url)
+        self.throwaway()
+
+    def throwaway(self) -> None:
+        """One never-seen prompt through the whole store path before anything is timed."""
+        prompt = np.random.default_rng(uuid.uuid4().int & 0xFFFFFFFF).integers(1000, 40000, 300).tolist()
+        self.request(prompt)
+        self.wait_idle()
+
+    def request(self, prompt: Sequence[int], max_tokens: int = 8, timeout: float = 600.0) -> Sample:
+        from kvshrink.testing.mp_observe import cache_counters
+        from kvshrink.testing.streaming_client import stream_completion
+
+        before = cache_counters(self.server.http_url)
+        result = stream_completion(self.vllm.url, "smollm2", list(prompt), max_tokens=max_tokens, timeout=timeout)
+        delta = cache_counters(self.server.http_url) - before
+        return Sample(result.ttft_s, len(prompt), delta.hit_tokens, delta.l1_hit_tokens, delta.l2_hit_tokens,
+                      result.text)
+
+    def clear_l1(self) -> None:
+        import httpx
+
+        httpx.post(f"{self.server.http_url}/cache/clear", json={"tier": "l1"}, timeout=30).raise_for_status()
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Until the cache server has no store in flight and, for ours, the store's queues are empty
+        (twice in a row, 50 ms apart)."""
+        deadline, quiet = time.monotonic() + timeout, 0
+        while quiet < 2:
+            quiet = quiet + 1 if self._idle() else 0
+            if time.monotonic() > deadline:
+                raise E2EError(f"{self.key}: stores still in flight after {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def _idle(self) -> bool:
+        status = self.server.status()
+        controller = status.get("storage_manager", {}).get("store_controller", {})
+        if controller.get("pending_keys_count", 0) or controller.get("in_flight_task_count", 0):
+            return False
+        if self.side != OURS:
+            return True
+        adapter = status["storage_manager"]["l2_adapters"][0]
+        engine = adapter["store"]["engine"]
+        return not adapter["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
+
+    def held(self) -> dict[str, float]:
+        """Chunks and bytes the L2 holds now (stock: its files; ours: the store's tiers)."""
+        if self.side == OURS:
+            from kvshrink.testing.mp_observe import adapter_status
+
+            tiers = adapter_status(self.server.http_url)["store"]["tiers"]
+            return {"chunks": float(sum(t["chunks"] for t in tiers.values())),
+                    "bytes": float(sum(t["bytes_stored"] for t in tiers.values()))}
+        disk = self.arrangement.disk if self.arrangement else None
+        files = [p for p in disk.rglob("*") if p.is_file()] if disk and disk.exists() else []
+        return {"chunks": float(len(files)), "bytes": float(sum(p.stat().st_size for p in files))}
+
+    def restart_keep_disk(self) -> None:
+        """A cache-server restart that keeps the SSD / files but not our shared-memory DRAM tier."""
+        assert self.arrangement is not None
+        self.reconfigure(self.arrangement, wipe=False)
+
+    def _drop_arena(self) -> None:
+        Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for proc in (self.vllm, self.server):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.stop()
+        self._drop_arena()
+
+
+def rotated(stacks: Sequence[Stack], step: int) -> list[Stack]:
+    """``stacks`` starting at ``step`` modulo their number: who goes first rotates step by step."""
+    k = step % len(stacks)
+    return list(stacks[k:]) + list(stacks[:k])
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def ratio_of_sums(ours: Sequence[float], stock: Sequence[float], resamples: int = 10_000,
+                  seed: int = 0) -> dict[str, float]:
+    """sum(ours) / sum(stock) over paired requests, with a 95 % percentile-bootstrap interval
+    (requests resampled with their pairs)."""
+    o, s = np.asarray(ours, dtype=np.float64), np.asarray(stock, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
+    boots = o[picks].sum(axis=1) / s[picks].sum(axis=1)
+    low, high = np.percentile(boots, [2.5, 97.5])
+    return {"value": float(o.sum() / s.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
+
+
+def difference_of_rates(ours_hits: Sequence[float], stock_hits: Sequence[float], prompt: Sequence[float],
+                        resamples: int = 10_000, seed: int = 1) -> dict[str, float]:
+    """hit rate (hit tokens / prompt tokens) of ours minus stock's, with a 95 % bootstrap interval."""
+    o, s, p = (np.asarray(x, dtype=np.float64) for x in (ours_hits, stock_hits, prompt))
+    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
+    boots = (o[picks].sum(axis=1) - s[picks].sum(axis=1)) / p[picks].sum(axis=1)
+    low, high = np.percentile(boots, [2.5, 97.5])
+    return {"value": float((o.sum() - s.sum()) / p.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
+
+
+def verdict(interval: dict[str, float], target: float, higher_is_better: bool = False) -> str:
+    """``met`` / ``not met`` only where the whole interval lies on one side of ``target``."""
+    low, high = interval["low"], interval["high"]
+    if higher_is_better:
+        return "met" if low >= target else "not met" if high < target else "inconclusive"
+    return "met" if high <= target else "not met" if low > target else "inconclusive"
+
+
+def side_figures(samples: Sequence[Sample]) -> dict[str, float]:
+    ttft = [s.ttft_s for s in samples]
+    prompt = sum(s.prompt_tokens for s in samples)
+    hits = sum(s.hit_tokens for s in samples)
+    return {"requests": float(len(samples)), "prompt_tokens": float(prompt), "hit_tokens": float(hits),
+            "hit_rate": hits / prompt if prompt else 0.0, "prefill_s": float(sum(ttft)),
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90))}
+
+
+# -- settings ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairedSettings:
+    hot_prompt_tokens: int = 1024
+    hot_pairs: int = 15
+    hot_l1_mib: float = 256
+    restart_prompt_tokens: int = 2048
+    restart_rounds: int = 1
+    # sized for vLLM CPU (a miss costs ~6 ms a token on 2 AVX2 cores): 8 agent sessions of 4 turns,
+    # contexts 0.5-1K tokens, all in flight at once; ~22K prompt tokens a replay
+    trace: dict[str, Any] = field(default_factory=lambda: dict(
+        sessions=8, turns=4, concurrency=8, system_tokens=256, first_user_tokens=256, tokens_per_turn=64,
+        output_tokens=16, agents=1, seed=0))
+    fractions: tuple[float, ...] = (0.4, 0.45, 0.5)  # budget / distinct KV of the trace
+    dram_share: float = 0.25
+    chunk_tokens: int = 128
+    stock_variants: tuple[str, ...] = STOCK_VARIANTS
+    max_tokens: int = 8
+    trace_file: str = ""
+
+
+# -- the run ----------------------------------------------------------------------------------------
+@dataclass
+class PairedResult:
+    """Everything measured, raw (per request) and summed; JSON-able via ``to_dict``."""
+
+    settings: dict[str, Any]
+    workload: dict[str, Any]
+    hot: dict[str, Any] = field(default_factory=dict)
+    restart: dict[str, Any] = field(default_factory=dict)
+    replay: list[dict[str, Any]] = field(default_factory=list)
+    store_config: dict[str, Any] | None = None
+    engine: str = ENGINE_LABEL
+
+
+def distinct_chunks(requests: Sequence[Any], chunk_tokens: int) -> int:
+    """Distinct whole-chunk prefixes in the trace: the KV an infinite cache would hold."""
+    seen = set()
+    for r in requests:
+        ids = np.asarray(r.token_ids, dtype=np.int64)
+        seen.update(digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens))
+    return len(seen)
+
+
+def budgets_for(distinct: int, chunk_tokens: int, fractions: Sequence[float], dram_share: float) -> list[Budget]:
+    kv_mib = distinct * chunk_tokens * BYTES_PER_TOKEN / MIB
+    return [Budget(round(kv_mib * f * dram_share, 1), round(kv_mib * f * (1 - dram_share), 1)) for f in fractions]
+
+
+def l1_for(requests: Sequence[Any]) -> float:
+    """L1 for the replay: room for the largest request's KV and a quarter more, in 8 MiB steps."""
+    largest = max(len(r.token_ids) for r in requests) * BYTES_PER_TOKEN * 1.25 / MIB
+    return float(max(L1_FLOOR_MIB, 8 * -(-largest // 8)))
+
+
+def text_prompts(model: Path, lengths: Sequence[int]) -> list[list[int]]:
+    """Distinct slices of real text (no shared prefixes)."""
+    from transformers import AutoTokenizer
+
+    from kvshrink.testing.fixtures.real_kv import corpus_text
+
+    ids = AutoTokenizer.from_pretrained(model)(corpus_text("code")).input_ids
+    out, offset = [], 0
+    for n in lengths:
+        if offset + n > len(ids):
+            raise E2EError(f"the code corpus has {len(ids)} tokens, not enough for prompts of {list(lengths)}")
+        out.append(list(ids[offset:offset + n]))
+        offset += n
+    return out
+
+
+def trace_requests(settings: PairedSettings, model: Path) -> list[Any]:
+    if settings.trace_file:
+        from transformers import AutoTokenizer
+
+        from kvshrink.benchmarks.user_trace import load_trace
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        return load_trace(settings.trace_file,
+                          tokenizer=lambda text: tokenizer(text, add_special_tokens=False).input_ids)
+    from kvshrink.benchmarks.agent_trace import TraceConfig, generate
+
+    return generate(TraceConfig(**settings.trace))
+
+
+class PairedBench:
+    """Starts the stacks (``launch`` early, ``run`` later), runs the phases, stops everything."""
+
+    def __init__(self, model: Path, settings: PairedSettings, template: Path | None = None,
+                 log_dir: Path | None = None, progress: Callable[[str], None] = lambda s: None) -> None:
+        self.model, self.settings, self.template = model, settings, template
+        self.root = Path(tempfile.mkdtemp(prefix="kvshrink-e2e-"))
+        self.log_dir = Path(log_dir or self.root / "logs")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        keys = [(v, STOCK) for v in settings.stock_variants] + [("ours", OURS)]
+        self.stacks = [Stack(k, side, self.root, self.log_dir, settings.chunk_tokens) for k, side in keys]
+        self._launched = False
+
+    @property
+    def ours(self) -> Stack:
+        return self.stacks[-1]
+
+    def hot(self, stack: Stack) -> Arrangement:
+        return hot_arrangement(stack.side, stack.workdir, stack.shm_name, self.settings.hot_l1_mib, self.template)
+
+    def launch(self) -> "PairedBench":
+        """Start every cache server and every vLLM without waiting for vLLM (a minute or more)."""
+        if not self._launched:
+            for stack in self.stacks:
+                stack.start_cache(self.hot(stack))
+            for stack in self.stacks:
+                stack.launch_vllm(self.model)
+            self._launched = True
+        return self
+
+    def run(self) -> PairedResult:
+        from kvshrink.configs import store_record
+
+        try:
+            self.launch()
+            requests = trace_requests(self.settings, self.model)
+            hot_prompt, *restart_prompts = text_prompts(
+                self.model, [self.settings.hot_prompt_tokens]
+                + [self.settings.restart_prompt_tokens] * self.settings.restart_rounds)
+            distinct = distinct_chunks(requests, self.settings.chunk_tokens)
+            budgets = budgets_for(distinct, self.settings.chunk_tokens, self.settings.fractions,
+                                  self.settings.dram_share)
+            l1_mib = l1_for(requests)
+            result = PairedResult(
+                settings={**vars(self.settings)},
+                workload={"model": model_fingerprint(self.model), "engine": ENGINE_LABEL,
+                          "trace": digest(*[np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
+                          "hot_prompt": digest(hot_prompt), "restart_prompts": digest(*restart_prompts),
+                          "requests": len(requests), "distinct_chunks": distinct, "replay_l1_mib": l1_mib,
+                          "prompt_tokens": int(sum(len(r.token_ids) for r in requests))},
+                store_config=store_record(self.template))
+            self.progress("starting vLLM")
+            for stack in self.stacks:
+                stack.wait_ready()
+            result.hot = self.hot_path(hot_prompt)
+            result.restart = self.restart(restart_prompts)
+            for budget in budgets:
+                result.replay.append(self.replay(requests, budget, l1_mib))
+            return result
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for stack in self.stacks:
+            stack.close()
+        for stack in self.stacks:  # chunk files: hundreds of MB; the logs stay
+            shutil.rmtree(stack.workdir, ignore_errors=True)
+
+    # -- phases ----------------------------------------------------------------------------------
+    def _pair(self) -> list[Stack]:
+        """The hot-path pair: stock's first arrangement (in its hot configuration) and ours."""
+        return [self.stacks[0], self.ours]
+
+    def hot_path(self, prompt: list[int]) -> dict[str, Any]:
+        chunk = self.settings.chunk_tokens
+        stock, ours = pair = self._pair()
+        samples: dict[str, dict[str, list[Sample]]] = {"cold": {}, "warm_l1": {}, "warm_l2": {}}
+        for s in pair:
+            samples["cold"][s.key] = [s.request(prompt)]
+            s.wait_idle()
+        for label, clear in (("warm_l1", False), ("warm_l2", True)):
+            for step in range(self.settings.hot_pairs):
+                self.progress(f"hot path: {label} {step + 1}/{self.settings.hot_pairs}")
+                for s in rotated(pair, step):
+                    if clear:
+                        s.clear_l1()
+                    samples[label].setdefault(s.key, []).append(s.request(prompt))
+                    s.wait_idle()
+        from kvshrink.benchmarks.paired_stats import paired_ratio
+
+        out: dict[str, Any] = {"prompt_tokens": len(prompt), "pairs": self.settings.hot_pairs,
+                               "stock": stock.key, "policies": {s.key: vars(s.arrangement.policy) for s in pair}}
+        for label, target in (("warm_l1", HOT_TARGET_L1), ("warm_l2", HOT_TARGET_L2)):
+            o = [x.ttft_s for x in samples[label][ours.key]]
+            st = [x.ttft_s for x in samples[label][stock.key]]
+            r = paired_ratio(o, st).as_dict()
+            out[label] = {"ratio": r, "target": target, "verdict": verdict({"low": r["low"], "high": r["high"]}, target),
+                          "stock_median_s": statistics.median(st), "ours_median_s": statistics.median(o)}
+        out["samples"] = {label: {k: [vars(x) for x in v] for k, v in by.items()} for label, by in samples.items()}
+        out["hits_as_expected"] = _hot_hits_ok(samples, len(prompt), chunk)
+        return out
+
+    def restart(self, prompts: list[list[int]]) -> dict[str, Any]:
+        pair = self._pair()
+        rounds = []
+        for i, prompt in enumerate(prompts):
+            self.progress(f"restart round {i + 1}/{len(prompts)}")
+            cold = {}
+            for s in rotated(pair, i):
+                cold[s.key] = s.request(prompt)
+                s.wait_idle()
+            for s in pair:
+                s.restart_keep_disk()
+            warm = {}
+            for s in rotated(pair, i + 1):
+                warm[s.key] = s.request(prompt)
+                s.wait_idle()
+            rounds.append({s.key: {"cold": vars(cold[s.key]), "after_restart": vars(warm[s.key]),
+                                   "over_cold": warm[s.key].ttft_s / cold[s.key].ttft_s} for s in pair})
+        return {"prompt_tokens": len(prompts[0]) if prompts else 0, "rounds": rounds}
+
+    def replay(self, requests: Sequence[Any], budget: Budget, l1_mib: float) -> dict[str, Any]:
+        for stack in self.stacks:
+            stack.reconfigure(replay_arrangement(stack.key, budget, l1_mib, stack.workdir, stack.shm_name,
+                                                 self.template))
+        samples: dict[str, list[Sample]] = {s.key: [] for s in self.stacks}
+        for i, r in enumerate(requests):
+            self.progress(f"agent replay {budget.label()}: {i + 1}/{len(requests)}")
+            prompt = [int(t) for t in r.token_ids]
+            for s in rotated(self.stacks, i):
+                samples[s.key].append(s.request(prompt, max_tokens=self.settings.max_tokens))
+                s.wait_idle()
+        held = {s.key: s.held() for s in self.stacks}
+        figures = {k: {**side_figures(v), "held_bytes": held[k]["bytes"], "held_chunks": held[k]["chunks"]}
+                   for k, v in samples.items()}
+        stock_keys = [s.key for s in self.stacks if s.side == STOCK]
+        best = min(stock_keys, key=lambda k: (figures[k]["prefill_s"], -figures[k]["hit_rate"]))
+        ours = self.ours.key
+        prefill = ratio_of_sums([x.ttft_s for x in samples[ours]], [x.ttft_s for x in samples[best]])
+        points = difference_of_rates([x.hit_tokens for x in samples[ours]], [x.hit_tokens for x in samples[best]],
+                                     [x.prompt_tokens for x in samples[ours]])
+        return {"budget": vars(budget), "label": budget.label(), "l1_mib": l1_mib, "stock_best": best,
+                "figures": figures,
+                "policies": {s.key: vars(s.arrangement.policy) for s in self.stacks},
+                "prefill_ratio": {**prefill, "target": REPLAY_PREFILL_TARGET,
+                                  "verdict": verdict(prefill, REPLAY_PREFILL_TARGET)},
+                "hit_rate_points": {**points, "target": REPLAY_HIT_POINTS_TARGET,
+                                    "verdict": verdict(points, REPLAY_HIT_POINTS_TARGET, higher_is_better=True)},
+                "same_text": _agreement(samples, ours, best),
+                "samples": {k: [vars(x) for x in v] for k, v in samples.items()}}
+
+
+def _hot_hits_ok(samples: dict[str, dict[str, list[Sample]]], prompt_tokens: int, chunk: int) -> dict[str, bool]:
+    cached = prompt_tokens // chunk * chunk
+    out = {}
+    for label, by in samples.items():
+        for key, xs in by.items():
+            if label == "cold":
+                ok = all(x.hit_tokens == 0 for x in xs)
+            elif label == "warm_l1":
+                ok = all(x.l1_hit_tokens >= cached - chunk for x in xs)
+            else:
+                ok = all(x.l2_hit_tokens >= cached - chunk for x in xs)
+            out[f"{label}/{key}"] = ok
+    return out
+
+
+def _agreement(samples: dict[str, list[Sample]], ours: str, stock: str) -> dict[str, int]:
+    """Requests where ours and stock hit the same tokens, and how many of them got the same answer."""
+    same_hits = [(o, s) for o, s in zip(samples[ours], samples[stock]) if o.hit_tokens == s.hit_tokens]
+    return {"same_hits": len(same_hits), "same_text": sum(o.text == s.text for o, s in same_hits)}
+
+
+def side_runs(result: PairedResult) -> Iterator[tuple[str, SideRun, SideRun]]:
+    """(case, stock-at-best, ours) per replay budget, as comparable side runs."""
+    for entry in result.replay:
+        budget = {**entry["budget"], "l1_mib": entry["l1_mib"], "chunk_tokens": result.settings["chunk_tokens"]}
+        workload = Workload(result.workload["trace"], result.workload["model"], budget)
+        best = entry["stock_best"]
+        stock = SideRun(STOCK, workload, entry["figures"][best], {"variant": best}, TierPolicy(**entry["policies"][best]))
+        ours = SideRun(OURS, workload, entry["figures"]["ours"], {"store_config": result.store_config},
+                       TierPolicy(**entry["policies"]["ours"]))
+        yield entry["label"], stock, ours
+
+
+def print_report(result: PairedResult, out: Callable[[str], None] = print) -> None:
+    out(f"engine: {result.engine}; trace: {result.workload['requests']} requests, "
+        f"{result.workload['prompt_tokens']} prompt tokens, {result.workload['distinct_chunks']} distinct chunks")
+    for label in ("warm_l1", "warm_l2"):
+        h = result.hot[label]
+        r = h["ratio"]
+        out(f"hot path {label}: ours/stock {r['median']:.3f} (95 % {r['low']:.3f}-{r['high']:.3f}, {r['pairs']} pairs), "
+            f"target <= {h['target']}: {h['verdict']}")
+    for entry in result.replay:
+        out(f"agent replay at {entry['label']} (stock at its best: {entry['stock_best']}):")
+        for key, f in entry["figures"].items():
+            out(f"  {key:12} hit {f['hit_rate']:.1%}  prefill {f['prefill_s']:7.1f} s  p50 {f['ttft_p50_s']:.2f} s  "
+                f"p90 {f['ttft_p90_s']:.2f} s  held {f['held_bytes'] / MIB:.0f} MiB in {f['held_chunks']:.0f} chunks")
+        p, h = entry["prefill_ratio"], entry["hit_rate_points"]
+        out(f"  prefill ours/stock {p['value']:.3f} (95 % {p['low']:.3f}-{p['high']:.3f}) <= {p['target']}: "
+            f"{p['verdict']}; hit rate {h['value'] * 100:+.1f} points (95 % {h['low'] * 100:+.1f} to "
+            f"{h['high'] * 100:+.1f}) >= +{h['target'] * 100:.0f}: {h['verdict']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import json
+    from dataclasses import asdict
+
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default="{}", help="JSON overrides of PairedSettings fields")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    overrides = json.loads(args.settings)
+    if "fractions" in overrides:
+        overrides["fractions"] = tuple(overrides["fractions"])
+    settings = PairedSettings(**overrides)
+    result = PairedBench(ensure_checkpoint(), settings, progress=lambda s: print(s, flush=True)).run()
+    print_report(result)
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The paired end-to-end harness's method, without vLLM: who goes first, the intervals and verdicts,
+the budgets and every stack's arrangement of them (the shipped default store for ours)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvshrink.benchmarks import e2e_paired as ep
+from kvshrink.benchmarks.agent_trace import TraceConfig, generate
+from kvshrink.benchmarks.comparison import IncomparableError
+from kvshrink.configs import load_store_mapping
+from kvshrink.store.config import parse_store_config
+
+
+def test_the_order_rotates_so_every_stack_goes_first_equally_often() -> None:
+    stacks = ["a", "b", "c"]
+    firsts = [ep.rotated(stacks, step)[0] for step in range(9)]
+    assert firsts == ["a", "b", "c"] * 3
+    assert all(sorted(ep.rotated(stacks, step)) == stacks for step in range(9))
+
+
+def test_ratio_of_sums_interval_covers_the_truth_and_narrows_with_pairs() -> None:
+    rng = np.random.default_rng(3)
+    stock = rng.uniform(1, 10, 400)
+    ours = stock * 0.7 * rng.lognormal(0, 0.3, 400)  # ~0.7x with +-30 % noise per request
+    wide, narrow = ep.ratio_of_sums(ours[:20], stock[:20]), ep.ratio_of_sums(ours, stock)
+    assert narrow["low"] < 0.75 and narrow["high"] > 0.68 and narrow["pairs"] == 400
+    assert narrow["high"] - narrow["low"] < wide["high"] - wide["low"]
+    assert narrow["value"] == pytest.approx(ours.sum() / stock.sum())
+
+
+def test_verdict_only_where_the_interval_clears_the_threshold() -> None:
+    assert ep.verdict({"low": 0.6, "high": 0.8}, 0.85) == "met"
+    assert ep.verdict({"low": 0.8, "high": 0.9}, 0.85) == "inconclusive"
+    assert ep.verdict({"low": 0.9, "high": 1.1}, 0.85) == "not met"
+    assert ep.verdict({"low": 0.12, "high": 0.2}, 0.10, higher_is_better=True) == "met"
+    assert ep.verdict({"low": 0.05, "high": 0.2}, 0.10, higher_is_better=True) == "inconclusive"
+    assert ep.verdict({"low": 0.01, "high": 0.05}, 0.10, higher_is_better=True) == "not met"
+
+
+def test_hit_rate_difference_is_in_points_of_prompt_tokens() -> None:
+    prompt = [1000, 1000, 1000, 1000]
+    d = ep.difference_of_rates([800, 600, 900, 700], [500, 500, 500, 500], prompt)
+    assert d["value"] == pytest.approx(0.25)
+    assert d["low"] <= 0.25 <= d["high"]
+
+
+def test_budgets_and_l1_follow_the_trace() -> None:
+    requests = generate(TraceConfig(**ep.PairedSettings().trace))
+    distinct = ep.distinct_chunks(requests, 128)
+    assert distinct == len({tuple(r.token_ids[:(i + 1) * 128]) for r in requests
+                            for i in range(len(r.token_ids) // 128)})
+    budgets = ep.budgets_for(distinct, 128, (0.4, 0.5), 0.25)
+    kv_mib = distinct * 128 * ep.BYTES_PER_TOKEN / ep.MIB
+    assert [b.total_mib for b in budgets] == pytest.approx([0.4 * kv_mib, 0.5 * kv_mib], abs=0.2)
+    assert all(b.dram_mib == pytest.approx(b.total_mib / 4, abs=0.1) for b in budgets)
+    largest = max(len(r.token_ids) for r in requests) * ep.BYTES_PER_TOKEN / ep.MIB
+    assert largest * 1.25 <= ep.l1_for(requests) < largest * 1.25 + 8
+
+
+def test_every_arrangement_spends_the_same_budget_and_ours_runs_the_shipped_default(tmp_path: Path) -> None:
+    budget = ep.Budget(dram_mib=12, ssd_mib=36)
+    by = {k: ep.replay_arrangement(k, budget, 32, tmp_path / k, "kvshrink-test-shm", None)
+          for k in (*ep.STOCK_VARIANTS, "ours")}
+    assert by["l1-all-dram"].l1_mib == 32 + 12
+    assert by["l1-all-dram"].adapter["max_capacity_gb"] == pytest.approx(36 / 1024)
+    assert by["l2-all"].l1_mib == by["ours"].l1_mib == 32
+    assert by["l2-all"].adapter["max_capacity_gb"] == pytest.approx(48 / 1024)
+    for key in ep.STOCK_VARIANTS:  # stock's L2 evicts by its own LRU, late and little
+        assert by[key].adapter["type"] == "fs_native" and by[key].adapter["eviction"] == ep.STOCK_L2_EVICTION
+    store = parse_store_config(by["ours"].adapter["adapter_params"]["store"])
+    shipped = parse_store_config(load_store_mapping())
+    assert [(t.name, t.capacity) for t in store.tiers] == [("dram", 12 << 20), ("ssd", 36 << 20)]
+    blank = lambda c: replace(c, tiers=tuple(replace(t, path="", shm_name="", capacity=0) for t in c.tiers))  # noqa: E731
+    assert blank(store) == blank(shipped)  # only placement and capacities differ
+    assert len({by[k].policy.name for k in by}) == 3  # every stack's arrangement is named apart
+    assert by["ours"].policy.tiers == "exclusive" and by["l1-all-dram"].policy.tiers == "inclusive"
+
+
+def test_side_runs_refuse_a_replay_without_a_policy() -> None:
+    entry = {"budget": {"dram_mib": 1.0, "ssd_mib": 3.0}, "label": "4 MiB", "l1_mib": 24.0, "stock_best": "l2-all",
+             "figures": {"l2-all": {"hit_rate": 0.5}, "ours": {"hit_rate": 0.6}},
+             "policies": {"l2-all": {"name": "x", "tiers": "inclusive", "l1_mib": 24.0, "promotion": True},
+                          "ours": {"name": "y", "tiers": "bogus", "l1_mib": 24.0, "promotion": True}}}
+    result = ep.PairedResult(settings={"chunk_tokens": 128}, workload={"trace": "t", "model": "m"}, replay=[entry])
+    with pytest.raises(IncomparableError, match="tiers must be one of"):
+        list(ep.side_runs(result))
