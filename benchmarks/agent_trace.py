@@ -11,7 +11,7 @@ same opening ``system_tokens`` tokens. ``concurrency`` sessions are in flight at
 runs sessions back to back, and turns of different slots interleave by their arrival time
 (previous turn's nominal duration + a think / tool time). Consumers may replay ``arrival_s``
 open-loop, or use ``think_s`` to issue a session's next turn after its previous one finished
-(closed loop, what ``routing_sim`` does).
+(closed loop).
 
     from kvshrink.benchmarks.agent_trace import TraceConfig, generate
     for req in generate(TraceConfig(sessions=64, turns=8, seed=1)):
@@ -66,20 +66,42 @@ def _jitter(rng: np.random.Generator, mean: float, spread: float = 0.5) -> int:
     return max(1, int(round(mean * rng.uniform(1 - spread, 1 + spread))))
 
 
-def generate_sessions(cfg: TraceConfig) -> list[list[AgentRequest]]:
-    """Every session's turns in order (arrival times laid out by slot)."""
+class _Tokens:
+    """Where fresh tokens come from: uniform random ids, or consecutive slices of a tokenized text
+    (``text``), so that a model sees real language and its KV is what real prompts make."""
+
+    def __init__(self, rng: np.random.Generator, vocab_size: int, text: np.ndarray | None) -> None:
+        self.rng, self.vocab_size = rng, vocab_size
+        self.text = None if text is None else np.asarray(text, dtype=np.int32)
+        if self.text is not None and self.text.size < 1024:
+            raise ValueError(f"text_tokens holds {self.text.size} tokens; a trace needs at least 1024")
+        self.cursor = 0
+
+    def draw(self, n: int) -> np.ndarray:
+        ids = self.rng.integers(0, self.vocab_size, n, dtype=np.int32)  # drawn either way: same shape, same times
+        if self.text is None:
+            return ids
+        out = np.take(self.text, np.arange(self.cursor, self.cursor + n), mode="wrap")
+        self.cursor = (self.cursor + n) % self.text.size
+        return out
+
+
+def generate_sessions(cfg: TraceConfig, text_tokens: np.ndarray | None = None) -> list[list[AgentRequest]]:
+    """Every session's turns in order (arrival times laid out by slot). With ``text_tokens`` every
+    fresh run of tokens is the next slice of that text instead of random ids (same shape, same
+    arrival times)."""
     if min(cfg.sessions, cfg.turns, cfg.concurrency, cfg.agents) < 1:
         raise ValueError("sessions, turns, concurrency and agents must be >= 1")
     rng = np.random.default_rng(cfg.seed)
-    systems = [rng.integers(0, cfg.vocab_size, cfg.system_tokens, dtype=np.int32) for _ in range(cfg.agents)]
+    tokens = _Tokens(rng, cfg.vocab_size, text_tokens)
+    systems = [tokens.draw(cfg.system_tokens) for _ in range(cfg.agents)]
     slot_clock = [float(rng.uniform(0, cfg.nominal_turn_s)) for _ in range(cfg.concurrency)]
     sessions: list[list[AgentRequest]] = []
     for sid in range(cfg.sessions):
         slot = sid % cfg.concurrency
         agent = int(rng.integers(cfg.agents))
         n_turns = _jitter(rng, cfg.turns)
-        prompt = np.concatenate([systems[agent], rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.first_user_tokens),
-                                                              dtype=np.int32)])
+        prompt = np.concatenate([systems[agent], tokens.draw(_jitter(rng, cfg.first_user_tokens))])
         new, reply = prompt.size, 0
         turns = []
         for turn in range(n_turns):
@@ -89,18 +111,17 @@ def generate_sessions(cfg: TraceConfig) -> list[list[AgentRequest]]:
             turns.append(AgentRequest(sid, turn, agent, prompt, new, cfg.system_tokens, reply, out, slot_clock[slot],
                                       think, turn == n_turns - 1))
             slot_clock[slot] += cfg.nominal_turn_s
-            appended = np.concatenate([rng.integers(0, cfg.vocab_size, out, dtype=np.int32),
-                                       rng.integers(0, cfg.vocab_size, _jitter(rng, cfg.tokens_per_turn),
-                                                    dtype=np.int32)])
+            appended = np.concatenate([tokens.draw(out), tokens.draw(_jitter(rng, cfg.tokens_per_turn))])
             new, reply = appended.size, out
             prompt = np.concatenate([prompt, appended])
         sessions.append(turns)
     return sessions
 
 
-def generate(cfg: TraceConfig) -> list[AgentRequest]:
-    """All requests, interleaved by arrival time."""
-    return sorted((r for s in generate_sessions(cfg) for r in s), key=lambda r: (r.arrival_s, r.session_id))
+def generate(cfg: TraceConfig, text_tokens: np.ndarray | None = None) -> list[AgentRequest]:
+    """All requests, interleaved by arrival time (``text_tokens``: see :func:`generate_sessions`)."""
+    return sorted((r for s in generate_sessions(cfg, text_tokens) for r in s),
+                  key=lambda r: (r.arrival_s, r.session_id))
 
 
 def summarize(requests: list[AgentRequest]) -> dict:

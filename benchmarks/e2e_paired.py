@@ -17,8 +17,8 @@ Phases:
 * **hot path** (large L1 on both, chunks in it): warm TTFT from LMCache's L1 (our adapter idle) and
   from the first L2 tier (L1 cleared before each request: our DRAM tier vs stock's ``fs_native``
   files in the page cache); medians of paired ratios with 95 % bootstrap intervals.
-* **restart**: a long prompt cold, both cache servers restarted (our shared-memory DRAM tier removed
-  too, so ours comes from the SSD tier, as stock's from its files), the same prompt again.
+* **restart**: both cache servers restarted (our shared-memory DRAM tier removed too, so ours comes
+  from the SSD tier, as stock's from its files), the hot-path prompt again, against its cold TTFT.
 * **agent replay**, the workload the project exists for: an agent trace whose sessions' contexts
   grow every turn, more KV than the budget, at several budgets. Every stack has the same LMCache
   L1 in front (``l1_mib``: room for the largest request's chunks, which LMCache's L1 must hold
@@ -30,9 +30,13 @@ Phases:
   prefill time (sum of TTFT) with a 95 % bootstrap interval of ours / stock-at-best, TTFT p50 /
   p90, bytes held.
 
-Engine: vLLM CPU computes in fp32 with a bf16 KV cache (``ENGINE_ARGS``): on AVX2-only CPUs bf16
-compute is emulated and prefills ~5x slower (1024 tokens: 29 s bf16, 6 s fp32), while the KV, what
-every cache stores, stays bf16 as on a GPU. Both sides run the same engine.
+Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
+CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
+(``PairedSettings.trace``: ~11K prompt tokens a replay). Two faster settings were tried and
+rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
+answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
+which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
+are real text (the prose corpus), so the KV is what real prompts make.
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ from kvshrink.errors import KVShrinkError
 
 BYTES_PER_TOKEN = 2 * 30 * 192 * 2  # SmolLM2-135M KV in bf16: K and V, 30 layers, 3 KV heads x 64
 MIB = 1 << 20
-ENGINE_ARGS = ("--dtype", "float32", "--kv-cache-dtype", "bfloat16")
-ENGINE_LABEL = "vLLM CPU 0.32, SmolLM2-135M, fp32 compute + bf16 KV cache, prefix cache off"
-L1_FLOOR_MIB = 24  # LMCache's L1 must hold one request's chunks while it loads them into vLLM
+ENGINE_ARGS = ("--dtype", "bfloat16")
+ENGINE_LABEL = "vLLM CPU 0.32, SmolLM2-135M bf16 (weights, compute and KV), prefix cache off"
+L1_FLOOR_MIB = 16  # LMCache's L1 must hold one request's chunks while it loads them into vLLM
 ADAPTER = {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
            "class_name": "KVShrinkL2Adapter"}
 # stock's L2 eviction at its best: evict late and little, so it keeps nearly all of its budget
@@ -341,18 +345,17 @@ class PairedSettings:
     hot_prompt_tokens: int = 1024
     hot_pairs: int = 15
     hot_l1_mib: float = 256
-    restart_prompt_tokens: int = 2048
-    restart_rounds: int = 1
-    # sized for vLLM CPU (a miss costs ~6 ms a token on 2 AVX2 cores): 8 agent sessions of 4 turns,
-    # contexts 0.5-1K tokens, all in flight at once; ~22K prompt tokens a replay
+    restart: bool = True
+    # sized for vLLM CPU bf16 (a miss costs ~28 ms a token on 2 AVX2 cores): 6 agent sessions of
+    # 2-4 turns, all in flight at once, contexts 0.5-0.8K tokens; ~12K prompt tokens a replay
     trace: dict[str, Any] = field(default_factory=lambda: dict(
-        sessions=8, turns=4, concurrency=8, system_tokens=256, first_user_tokens=256, tokens_per_turn=64,
+        sessions=6, turns=3, concurrency=6, system_tokens=128, first_user_tokens=384, tokens_per_turn=32,
         output_tokens=16, agents=1, seed=0))
-    fractions: tuple[float, ...] = (0.4, 0.45, 0.5)  # budget / distinct KV of the trace
+    fractions: tuple[float, ...] = (0.35, 0.4, 0.5)  # budget / distinct KV of the trace
     dram_share: float = 0.25
-    chunk_tokens: int = 128
+    chunk_tokens: int = 128  # LMCache's default is 256; both sides run 128 (finer reuse of short prompts)
     stock_variants: tuple[str, ...] = STOCK_VARIANTS
-    max_tokens: int = 8
+    max_tokens: int = 4
     trace_file: str = ""
 
 
@@ -390,20 +393,21 @@ def l1_for(requests: Sequence[Any]) -> float:
     return float(max(L1_FLOOR_MIB, 8 * -(-largest // 8)))
 
 
-def text_prompts(model: Path, lengths: Sequence[int]) -> list[list[int]]:
-    """Distinct slices of real text (no shared prefixes)."""
+def corpus_tokens(model: Path, corpus: str) -> list[int]:
+    """A real-text corpus of the KV fixture, tokenized with the served model's tokenizer."""
     from transformers import AutoTokenizer
 
     from kvshrink.testing.fixtures.real_kv import corpus_text
 
-    ids = AutoTokenizer.from_pretrained(model)(corpus_text("code")).input_ids
-    out, offset = [], 0
-    for n in lengths:
-        if offset + n > len(ids):
-            raise E2EError(f"the code corpus has {len(ids)} tokens, not enough for prompts of {list(lengths)}")
-        out.append(list(ids[offset:offset + n]))
-        offset += n
-    return out
+    return list(AutoTokenizer.from_pretrained(model)(corpus_text(corpus)).input_ids)
+
+
+def hot_prompt(model: Path, tokens: int) -> list[int]:
+    """The hot-path prompt: the first ``tokens`` of the code corpus (the trace reads prose)."""
+    ids = corpus_tokens(model, "code")
+    if tokens > len(ids):
+        raise E2EError(f"the code corpus has {len(ids)} tokens, not enough for a {tokens}-token prompt")
+    return ids[:tokens]
 
 
 def trace_requests(settings: PairedSettings, model: Path) -> list[Any]:
@@ -417,7 +421,7 @@ def trace_requests(settings: PairedSettings, model: Path) -> list[Any]:
                           tokenizer=lambda text: tokenizer(text, add_special_tokens=False).input_ids)
     from kvshrink.benchmarks.agent_trace import TraceConfig, generate
 
-    return generate(TraceConfig(**settings.trace))
+    return generate(TraceConfig(**settings.trace), text_tokens=np.asarray(corpus_tokens(model, "prose"), np.int32))
 
 
 class PairedBench:
@@ -457,9 +461,7 @@ class PairedBench:
         try:
             self.launch()
             requests = trace_requests(self.settings, self.model)
-            hot_prompt, *restart_prompts = text_prompts(
-                self.model, [self.settings.hot_prompt_tokens]
-                + [self.settings.restart_prompt_tokens] * self.settings.restart_rounds)
+            prompt = hot_prompt(self.model, self.settings.hot_prompt_tokens)
             distinct = distinct_chunks(requests, self.settings.chunk_tokens)
             budgets = budgets_for(distinct, self.settings.chunk_tokens, self.settings.fractions,
                                   self.settings.dram_share)
@@ -468,15 +470,16 @@ class PairedBench:
                 settings={**vars(self.settings)},
                 workload={"model": model_fingerprint(self.model), "engine": ENGINE_LABEL,
                           "trace": digest(*[np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
-                          "hot_prompt": digest(hot_prompt), "restart_prompts": digest(*restart_prompts),
+                          "hot_prompt": digest(prompt),
                           "requests": len(requests), "distinct_chunks": distinct, "replay_l1_mib": l1_mib,
                           "prompt_tokens": int(sum(len(r.token_ids) for r in requests))},
                 store_config=store_record(self.template))
             self.progress("starting vLLM")
             for stack in self.stacks:
                 stack.wait_ready()
-            result.hot = self.hot_path(hot_prompt)
-            result.restart = self.restart(restart_prompts)
+            result.hot = self.hot_path(prompt)
+            if self.settings.restart:
+                result.restart = self.restart(prompt, result.hot)
             for budget in budgets:
                 result.replay.append(self.replay(requests, budget, l1_mib))
             return result
@@ -523,24 +526,20 @@ class PairedBench:
         out["hits_as_expected"] = _hot_hits_ok(samples, len(prompt), chunk)
         return out
 
-    def restart(self, prompts: list[list[int]]) -> dict[str, Any]:
+    def restart(self, prompt: list[int], hot: dict[str, Any]) -> dict[str, Any]:
+        """Both cache servers restarted (ours without its DRAM arena), the hot prompt again."""
+        self.progress("restart")
         pair = self._pair()
-        rounds = []
-        for i, prompt in enumerate(prompts):
-            self.progress(f"restart round {i + 1}/{len(prompts)}")
-            cold = {}
-            for s in rotated(pair, i):
-                cold[s.key] = s.request(prompt)
-                s.wait_idle()
-            for s in pair:
-                s.restart_keep_disk()
-            warm = {}
-            for s in rotated(pair, i + 1):
-                warm[s.key] = s.request(prompt)
-                s.wait_idle()
-            rounds.append({s.key: {"cold": vars(cold[s.key]), "after_restart": vars(warm[s.key]),
-                                   "over_cold": warm[s.key].ttft_s / cold[s.key].ttft_s} for s in pair})
-        return {"prompt_tokens": len(prompts[0]) if prompts else 0, "rounds": rounds}
+        for s in pair:
+            s.restart_keep_disk()
+        after = {}
+        for s in pair:
+            after[s.key] = s.request(prompt)
+            s.wait_idle()
+        cold = {key: xs[0] for key, xs in hot["samples"]["cold"].items()}
+        return {"prompt_tokens": len(prompt),
+                "sides": {s.key: {"cold_ttft_s": cold[s.key]["ttft_s"], "after_restart": vars(after[s.key]),
+                                  "over_cold": after[s.key].ttft_s / cold[s.key]["ttft_s"]} for s in pair}}
 
     def replay(self, requests: Sequence[Any], budget: Budget, l1_mib: float) -> dict[str, Any]:
         for stack in self.stacks:

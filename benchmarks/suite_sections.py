@@ -26,9 +26,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "fractions": (0.4, 0.55, 0.8), "dram_share": 0.25, "full_verify": False},
         "throughput": {"keys_per_submit": 4, "rounds": 2, "threads": (1, 2)},
         # the agent replay at one budget, on a smaller trace (e2e_paired.PairedSettings has the full one)
-        "e2e": {"hot_pairs": 8, "restart_prompt_tokens": 1024, "restart_rounds": 1, "fractions": (0.45,),
-                "trace": dict(sessions=6, turns=4, concurrency=6, system_tokens=256, first_user_tokens=256,
-                              tokens_per_turn=64, output_tokens=16, agents=1, seed=0)},
+        "e2e": {"hot_pairs": 5, "fractions": (0.4,),
+                "trace": dict(sessions=3, turns=3, concurrency=3, system_tokens=128, first_user_tokens=384,
+                              tokens_per_turn=32, output_tokens=16, agents=1, seed=0)},
     },
     "full": {
         "codec": {"samples": 8, "repeats": 15},
@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                    output_tokens=80, seed=0),
                      "fractions": (0.25, 0.4, 0.55, 0.7, 0.85, 1.0), "dram_share": 0.25, "full_verify": True},
         "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2)},
-        "e2e": {"hot_pairs": 20, "restart_prompt_tokens": 2048, "restart_rounds": 2, "fractions": (0.4, 0.45, 0.5)},
+        "e2e": {"hot_pairs": 12},  # the trace and budgets: e2e_paired.PairedSettings
     },
 }
 HIT_RATE_TARGET = 0.80
@@ -271,7 +271,6 @@ def e2e(ctx: Context) -> Section:
     from kvshrink.benchmarks import e2e_paired as ep
 
     bench = ctx.e2e_engine or ctx.paired_bench()
-    phases = 2 * bench.settings.hot_pairs + 2 * bench.settings.restart_rounds
     with ctx.bar(total=None, desc="end to end", unit="step", leave=False) as bar:
         def progress(text: str) -> None:
             bar.set_postfix_str(text)
@@ -280,8 +279,15 @@ def e2e(ctx: Context) -> Section:
         bench.progress = progress
         result = bench.run()
     ctx.e2e_engine = None  # stopped by run()
+    return e2e_section(result)
+
+
+def e2e_section(result: Any) -> Section:
+    """Rows, targets and notes of one paired run (``e2e_paired.PairedResult``)."""
+    from kvshrink.benchmarks import e2e_paired as ep
+
     section = Section(figures={"engine": result.engine, "workload": result.workload, "hot": result.hot,
-                               "restart": result.restart, "replay": result.replay, "phase_steps": phases},
+                               "restart": result.restart, "replay": result.replay},
                       store_config=result.store_config)
     _e2e_hot_rows(section, result)
     in_range = []
@@ -325,24 +331,21 @@ def _e2e_hot_rows(section: Section, result: Any) -> None:
     hot, restart = result.hot, result.restart
     stock_key, ours_key = hot["stock"], "ours"
     budget = {"hot_l1_mib": result.settings["hot_l1_mib"], "chunk_tokens": result.settings["chunk_tokens"]}
-    workload = Workload(digest(result.workload["hot_prompt"], result.workload["restart_prompts"]),
-                        result.workload["model"], budget)
+    workload = Workload(result.workload["hot_prompt"], result.workload["model"], budget)
     figures = {}
     for key in (stock_key, ours_key):
         f = {f"{label}_ttft_s": statistics.median(x["ttft_s"] for x in hot["samples"][label][key])
              for label in ("cold", "warm_l1", "warm_l2")}
-        rounds = restart["rounds"]
-        if rounds:
-            f["after_restart_ttft_s"] = statistics.median(r[key]["after_restart"]["ttft_s"] for r in rounds)
-            f["after_restart_over_cold"] = statistics.median(r[key]["over_cold"] for r in rounds)
+        if restart:
+            f["after_restart_ttft_s"] = restart["sides"][key]["after_restart"]["ttft_s"]
+            f["after_restart_over_cold"] = restart["sides"][key]["over_cold"]
         figures[key] = f
     stock = SideRun(STOCK, workload, figures[stock_key], policy=TierPolicy(**hot["policies"][stock_key]))
     ours = SideRun(OURS, workload, figures[ours_key], policy=TierPolicy(**hot["policies"][ours_key]))
     metrics = [Metric("warm_l1_ttft_s", "s", False), Metric("warm_l2_ttft_s", "s", False)]
-    if restart["rounds"]:
+    if restart:
         metrics += [Metric("after_restart_ttft_s", "s", False), Metric("after_restart_over_cold", "x", False)]
-    section.comparisons += compare("e2e hot path", f"{hot['prompt_tokens']} / {restart['prompt_tokens']} tokens",
-                                   stock, ours, metrics)
+    section.comparisons += compare("e2e hot path", f"{hot['prompt_tokens']} tokens", stock, ours, metrics)
     for label, what in (("warm_l1", "chunks in LMCache's L1 (our adapter idle)"),
                         ("warm_l2", "L1 cleared: our DRAM tier vs stock's fs_native files")):
         h = hot[label]

@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "codec-bench": ("kvshrink.benchmarks.codec_bench", "KV Shrink codec vs zstd, numcodecs, lz4, deflate, ZipNN on real KV"),
     "store-bench": ("kvshrink.benchmarks.store_bench", "benchmark the tiered store: SSD bytes/token, get_many across tiers, 100k-chunk reopen"),
     "index": ("kvshrink.index.cli", "global KV index: serve it (HTTP + ZMQ KV events), or query a running one"),
-    "router": ("kvshrink.plugins.router_launcher", "run production-stack's router (vllm_router) with the KVShrink tier-aware routing logic"),
+    "router": ("kvshrink.plugins.router.router_launcher", "run production-stack's router (vllm_router) with the KVShrink tier-aware routing logic"),
 }
 # command name -> the setup.cfg extra it needs beyond install_requires
 EXTRAS: dict[str, str] = {"bench": "bench", "codec-bench": "bench", "store-bench": "bench"}

@@ -25,8 +25,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Layer -> the layers it may import (besides itself and FOUNDATION). docs/architecture.md draws it:
-#   vllm glue (plugins/) -> storage_backends (LMCache) -> configs -> store -> codec; the index and
-#   the router beside that stack: the router may use the index, neither uses the stack.
+#   vllm integration (plugins/vllm/) -> storage_backends (LMCache) -> configs -> store -> codec; the
+#   index and the router integration (plugins/router/) beside that stack: the router may use the
+#   index, neither uses the stack, and the two plugins/ subpackages never import each other.
 FOUNDATION = ("kvshrink.errors", "kvshrink.config_checks", "kvshrink")  # the error family, config parsing
 LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.codec": "codec",
@@ -34,9 +35,9 @@ LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.configs": "configs",
     "kvshrink.index": "index",
     "kvshrink.storage_backends": "backends",
-    "kvshrink.plugins": "vllm",
-    "kvshrink.plugins.router_logic": "router",
-    "kvshrink.plugins.router_launcher": "router",
+    "kvshrink.plugins": "plugins",  # the package of the two below; its __init__ imports nothing
+    "kvshrink.plugins.vllm": "vllm",
+    "kvshrink.plugins.router": "router",
     "kvshrink.cli": "cli",
     "kvshrink.testing": "harness",
     "kvshrink.benchmarks": "benchmarks",
@@ -48,6 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "configs": {"store"},
     "index": set(),
     "backends": {"configs", "store", "codec"},
+    "plugins": set(),
     "vllm": {"backends", "configs", "store", "codec"},
     "router": {"index"},
     "cli": set(),  # dispatches by dotted path (COMMANDS), imports none of the commands
@@ -97,9 +99,10 @@ def imports(path: Path, module: str) -> list[tuple[int, str]]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
-            # ``from kvshrink import testing`` imports a layer through the foundation package
-            found += [(node.lineno, f"{base}.{alias.name}" if layer_of(base) == "foundation"
-                       and layer_of(f"{base}.{alias.name}") not in (None, "foundation") else base)
+            # ``from kvshrink import testing`` / ``from kvshrink.plugins import vllm`` import a layer
+            # through its parent package: count the layer imported, not the parent's
+            found += [(node.lineno, f"{base}.{alias.name}"
+                       if layer_of(f"{base}.{alias.name}") not in (None, layer_of(base)) else base)
                       for alias in node.names]
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
@@ -139,12 +142,18 @@ def test_the_check_names_the_offending_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n\ndef f():\n    from kvshrink.storage_backends import keys\n"
                    "    from ..testing import launch\n    from kvshrink import benchmarks\n"
-                   "    importlib.import_module('kvshrink.plugins.vllm_plugin')\n")
+                   "    importlib.import_module('kvshrink.plugins.vllm.vllm_plugin')\n")
     assert violations([(bad, "kvshrink.store.bad")]) == [
         f"{bad}:4: kvshrink.store.bad (store) imports kvshrink.storage_backends (backends)",
         f"{bad}:5: kvshrink.store.bad (store) imports kvshrink.testing (harness)",
         f"{bad}:6: kvshrink.store.bad (store) imports kvshrink.benchmarks (benchmarks)",
-        f"{bad}:7: kvshrink.store.bad (store) imports kvshrink.plugins.vllm_plugin (vllm)"]
+        f"{bad}:7: kvshrink.store.bad (store) imports kvshrink.plugins.vllm.vllm_plugin (vllm)"]
+    router = tmp_path / "router_bad.py"
+    router.write_text("from kvshrink.index import client\nfrom kvshrink.plugins import vllm\n"
+                      "from ..vllm.hash_seed import seed_children\n")
+    assert violations([(router, "kvshrink.plugins.router.router_bad")]) == [
+        f"{router}:2: kvshrink.plugins.router.router_bad (router) imports kvshrink.plugins.vllm (vllm)",
+        f"{router}:3: kvshrink.plugins.router.router_bad (router) imports kvshrink.plugins.vllm.hash_seed (vllm)"]
     ok = tmp_path / "ok.py"
     ok.write_text("from kvshrink.codec import encode\nfrom kvshrink.errors import ConfigError\nfrom . import config\n")
     assert violations([(ok, "kvshrink.store.ok")]) == []

@@ -17,7 +17,7 @@ import pytest
 from kvshrink.codec.qat import QatUnavailable
 from kvshrink.errors import KVShrinkError
 from kvshrink.testing.launch import LOOPBACK, ManagedProcess, ServerStartError
-from kvshrink.plugins.router_launcher import RouterShapeError
+from kvshrink.plugins.router.router_launcher import RouterShapeError
 from kvshrink.storage_backends.task_channels import ChannelClosedError, L2TaskRunner, TaskChannelError
 from kvshrink.testing.streaming_client import StreamedCompletionError, stream_completion
 

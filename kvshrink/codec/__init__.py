@@ -26,11 +26,11 @@ from typing import Any
 
 from kvshrink.codec.byteplanes import jit_status
 from kvshrink.codec.codec import Codec, default_threads
-from kvshrink.codec.errors import CodecError, OutputMismatchError, UnsupportedArrayError
+from kvshrink.codec.errors import CodecArgumentError, CodecError, OutputMismatchError, UnsupportedArrayError
 from kvshrink.codec.frame import FORMAT_VERSION, METHODS, FrameHeader
 from kvshrink.codec.qat import qat_status
 
-__all__ = ["Codec", "CodecError", "FORMAT_VERSION", "FrameHeader", "METHODS", "OutputMismatchError",
+__all__ = ["Codec", "CodecArgumentError", "CodecError", "FORMAT_VERSION", "FrameHeader", "METHODS", "OutputMismatchError",
            "UnsupportedArrayError", "decode", "default_codec", "default_threads", "encode", "jit_status",
            "qat_status", "read_header"]
 

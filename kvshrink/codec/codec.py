@@ -18,7 +18,7 @@ import numpy as np
 from kvshrink.codec import backends, byteplanes, dtypes
 from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block
 from kvshrink.codec.cpu_budget import budget
-from kvshrink.codec.errors import CodecError, UnsupportedArrayError
+from kvshrink.codec.errors import CodecArgumentError, CodecError, UnsupportedArrayError
 from kvshrink.codec.frame import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_BLOCKS,
@@ -28,7 +28,6 @@ from kvshrink.codec.frame import (
     pack_header,
     parse_header,
 )
-from kvshrink.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 512 << 10
 DEFAULT_HASH_LOG = 6
@@ -74,10 +73,10 @@ class Codec:
             _check_int("hash_log", hash_log, 6, 30)
         self.hash_log = hash_log
         if not 0.0 <= min_saving < 1.0:
-            raise ConfigError("min_saving", f"must be in [0, 1), got {min_saving!r}")
+            raise CodecArgumentError("min_saving", f"must be in [0, 1), got {min_saving!r}")
         self.min_saving = float(min_saving)
         if transform not in TRANSFORM_CHOICES:
-            raise ConfigError("transform", f"must be one of {TRANSFORM_CHOICES}, got {transform!r}")
+            raise CodecArgumentError("transform", f"must be one of {TRANSFORM_CHOICES}, got {transform!r}")
         self.transform = transform
         self.max_frame_bytes = _check_int("max_frame_bytes", max_frame_bytes, 0)
 
@@ -188,7 +187,7 @@ def _as_bytes_view(blob: Any) -> memoryview:
 
 def _check_method(method: str) -> str:
     if method not in METHODS:
-        raise ConfigError("method", f"unknown codec method {method!r}; choose one of {METHODS}")
+        raise CodecArgumentError("method", f"unknown codec method {method!r}; choose one of {METHODS}")
     return method
 
 
@@ -196,11 +195,11 @@ def _check_level(method: str, level: int) -> int:
     try:
         return backends.validate_level(method, level)
     except ValueError as exc:
-        raise ConfigError("level", str(exc)) from None
+        raise CodecArgumentError("level", str(exc)) from None
 
 
 def _check_int(key: str, value: int, low: int, high: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ConfigError(key, f"must be an integer {bound}, got {value!r}")
+        raise CodecArgumentError(key, f"must be an integer {bound}, got {value!r}")
     return value

@@ -27,7 +27,7 @@ class ScoringConfig:
     media_speed_weight: float = 1.0
     load_weight: float = 0.5
     # An instance with load > overload_factor * mean load + 1 ranks after all others: the guard that
-    # keeps a hot prefix from piling onto one instance. Defaults chosen on routing_sim, seed 1.
+    # keeps a hot prefix from piling onto one instance. Defaults chosen on the former routing simulation (seed 1).
     overload_factor: float = 1.5
 
 

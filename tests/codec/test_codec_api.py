@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvshrink.codec as codec_api
-from kvshrink.codec import Codec, FrameHeader, UnsupportedArrayError, decode, encode, read_header
+from kvshrink.codec import Codec, CodecArgumentError, FrameHeader, UnsupportedArrayError, decode, encode, read_header
 from kvshrink.errors import ConfigError, KVShrinkError
 
 
@@ -17,10 +17,11 @@ from kvshrink.errors import ConfigError, KVShrinkError
     ({"hash_log": 3}, "hash_log"), ({"min_saving": 1.0}, "min_saving"), ({"transform": "rot"}, "transform"),
     ({"max_frame_bytes": -1}, "max_frame_bytes"), ({"threads": True}, "threads"),
 ])
-def test_bad_settings_name_the_key(kwargs, key):
-    with pytest.raises(ConfigError) as err:
+def test_bad_settings_name_the_argument(kwargs, key):
+    with pytest.raises(CodecArgumentError) as err:  # a caller's argument, not a config file's key
         Codec(**kwargs)
-    assert err.value.key == key
+    assert err.value.argument == key and not isinstance(err.value, ConfigError)
+    assert isinstance(err.value, KVShrinkError) and isinstance(err.value, ValueError)
 
 
 def test_threads_from_environment(monkeypatch):

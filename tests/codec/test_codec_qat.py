@@ -124,9 +124,9 @@ def test_status_line_names_the_paths():
 
 
 def test_qat_levels_are_validated():
-    from kvshrink.errors import ConfigError
+    from kvshrink.codec import CodecArgumentError
 
-    with pytest.raises(ConfigError, match="level"):
+    with pytest.raises(CodecArgumentError, match="level"):
         Codec(method="qat", level=10)
-    with pytest.raises(ConfigError, match="level"):
+    with pytest.raises(CodecArgumentError, match="level"):
         encode(np.zeros(4), method="qat", level=0)

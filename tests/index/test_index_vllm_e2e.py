@@ -137,11 +137,11 @@ def test_all_blocks_cleared_removes_a(cluster):
 
 @pytest.mark.skipif(not os.environ.get("KVSHRINK_ROUTER_PYTHON"),
                     reason="production-stack's router is not on PyPI; set KVSHRINK_ROUTER_PYTHON to a Python >= 3.12 "
-                           "with vllm_router and kvshrink installed (see plugins/router_launcher.py)")
+                           "with vllm_router and kvshrink installed (see plugins/router/router_launcher.py)")
 def test_production_stack_router_routes_by_index(cluster, tmp_path):
     index, a, b, tok = cluster["index"], cluster["a"], cluster["b"], cluster["tok"]
     port = free_port()
-    router = ManagedProcess([os.environ["KVSHRINK_ROUTER_PYTHON"], "-m", "kvshrink.plugins.router_launcher",
+    router = ManagedProcess([os.environ["KVSHRINK_ROUTER_PYTHON"], "-m", "kvshrink.plugins.router.router_launcher",
                              "--index-url", index.url, "--index-timeout-ms", "2000", "--",
                              "--host", LOOPBACK, "--port", str(port), "--service-discovery", "static",
                              "--static-backends", f"{a.url},{b.url}", "--static-models", f"{MODEL},{MODEL}",

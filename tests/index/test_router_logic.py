@@ -22,7 +22,7 @@ from starlette.requests import Request
 from index_helpers import MODEL, make_config
 from kvshrink.index.hashing import prefix_hashes
 from kvshrink.testing.launch import free_port
-from kvshrink.plugins.router_logic import KVShrinkRoutingLogic, backend_loads, lookup_body, rendezvous
+from kvshrink.plugins.router.router_logic import KVShrinkRoutingLogic, backend_loads, lookup_body, rendezvous
 
 URLS = ["http://127.0.0.1:18001", "http://127.0.0.1:18002", "http://127.0.0.1:18003"]
 PROMPT = list(range(300, 300 + 512))

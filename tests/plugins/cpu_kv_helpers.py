@@ -17,7 +17,7 @@ def new_kv_caches(num_blocks: int, num_layers: int = NUM_LAYERS, fill: float = f
 
 def write_with_vllm(caches: list[torch.Tensor], kv: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
     """Write KV [2, L, T, H*D] at ``slots`` the way vLLM CPU's attention does, layer by layer."""
-    from kvshrink.plugins.cpu_kv_layout import write_tokens
+    from kvshrink.plugins.vllm.cpu_kv_layout import write_tokens
 
     shape = (-1, NUM_KV_HEADS, HEAD_SIZE)
     for layer_idx, layer in enumerate(caches):

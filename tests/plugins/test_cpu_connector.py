@@ -22,8 +22,8 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 from kvshrink.errors import ConfigError  # noqa: E402
-from kvshrink.plugins.cpu_connector import VLLMPagedMemCPUConnector, create_cpu_connector  # noqa: E402
-from kvshrink.plugins.cpu_kv_layout import KVLayoutError, attention_isa  # noqa: E402
+from kvshrink.plugins.vllm.cpu_connector import VLLMPagedMemCPUConnector, create_cpu_connector  # noqa: E402
+from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError, attention_isa  # noqa: E402
 
 CHUNK = 256
 NUM_TOKENS = 2000  # 7 full chunks and a partial one that ends mid-block

@@ -8,7 +8,7 @@ import torch
 from cpu_kv_helpers import BLOCK_SIZE, DTYPE, HEAD_SIZE, NUM_KV_HEADS, new_kv_caches, slots_for, write_with_vllm
 
 pytest.importorskip("vllm._custom_ops")
-from kvshrink.plugins.cpu_kv_layout import (  # noqa: E402
+from kvshrink.plugins.vllm.cpu_kv_layout import (  # noqa: E402
     KVLayoutError,
     attention_isa,
     gather_tokens,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from kvshrink.benchmarks.inprocess_cpu import (
+from kvshrink.testing.inprocess import (
     DEFAULT_CONFIG,
     LMCacheActivity,
     greedy_token_ids,

@@ -26,7 +26,7 @@ CPU_YAML = REPO / "configs" / "lmcache-inprocess-cpu.yaml"
 # worker, the distributed groups.
 VLLM_SETUP = """
     import json, socket, sys
-    from kvshrink.benchmarks.inprocess_cpu import IN_PROCESS_CONNECTOR
+    from kvshrink.testing.inprocess import IN_PROCESS_CONNECTOR
     from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
     from vllm.config import KVTransferConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -97,13 +97,13 @@ def test_vllm_factory_loads_our_class_and_lmcache_engine_gets_the_cpu_connector(
         }))
         worker.shutdown()
     """))
-    assert out["class"] == "kvshrink.plugins.lmcache_cpu_connector.KVShrinkLMCacheConnector"
+    assert out["class"] == "kvshrink.plugins.vllm.lmcache_cpu_connector.KVShrinkLMCacheConnector"
     # vLLM resolves the class early (KV cache layout, config checks), before its CPU workers start;
     # LMCache must not be loaded then (vLLM CPU's workers trip over it), only when the class is built
     assert out["loaded_by_resolution"] == []
     assert out["base"] == "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector.LMCacheConnectorV1"
     assert out["scheduler_engine"] is False  # LMCache's scheduler runs without an engine, as before
-    assert out["worker_connector"] == "kvshrink.plugins.cpu_connector.VLLMPagedMemCPUConnector"
+    assert out["worker_connector"] == "kvshrink.plugins.vllm.cpu_connector.VLLMPagedMemCPUConnector"
     assert out["shape"] == [30, 3, 64, "torch.bfloat16"]  # SmolLM2's KV, from LMCache's own metadata
     assert out["restored"], "LMCache's CreateGPUConnector must be its own again after construction"
 
@@ -115,7 +115,7 @@ def test_failures_are_raised_where_lmcache_would_only_log_them(tmp_path: Path) -
     config.write_text(CPU_YAML.read_text() + "use_layerwise: true\n")
     out = last_json(run_python("""
         from kvshrink.errors import ConfigError
-        from kvshrink.plugins.lmcache_cpu_connector import LMCacheCompatibilityError
+        from kvshrink.plugins.vllm.lmcache_cpu_connector import LMCacheCompatibilityError
         init_worker_groups()
         errors = {}
         for step in ("layout unresolved", "layout resolved"):

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from kvshrink.plugins.hash_seed import HashSeedError, check_process_hash_seed, process_hash_is_seeded, seed_children
+from kvshrink.plugins.vllm.hash_seed import HashSeedError, check_process_hash_seed, process_hash_is_seeded, seed_children
 
 
 def run_python(script: str, *, seed: str | None = "0", extra_env: dict[str, str] | None = None,
@@ -37,12 +37,23 @@ def test_register_is_idempotent_imports_nothing_heavy_and_hooks_no_import() -> N
     out = last_json(run_python("""
         import json, sys
         finders = len(sys.meta_path)
-        from kvshrink.plugins import vllm_plugin
+        from kvshrink.plugins.vllm import vllm_plugin
         vllm_plugin.register(); vllm_plugin.register()
         print(json.dumps({"heavy": sorted(m for m in ("lmcache", "torch", "vllm") if m in sys.modules),
                           "finders_added": len(sys.meta_path) - finders}))
     """))
     assert out == {"heavy": [], "finders_added": 0}
+
+
+def test_the_installed_entry_point_is_register() -> None:
+    """What vLLM loads (``vllm.general_plugins`` from the installed metadata): after a move of the
+    module, a stale install names a path that no longer imports, and vLLM only logs that."""
+    from importlib.metadata import entry_points
+
+    from kvshrink.plugins.vllm import vllm_plugin
+
+    (entry_point,) = entry_points(group="vllm.general_plugins", name="kvshrink")
+    assert entry_point.load() is vllm_plugin.register, "reinstall: pip install --no-deps -e ."
 
 
 # ---------------------------------------------------------------------------------------- hash seed
@@ -68,7 +79,7 @@ def test_which_processes_count_as_seeded() -> None:
 
 SPAWN_TWO_CHILDREN = """
     import json, subprocess, sys
-    from kvshrink.plugins import vllm_plugin
+    from kvshrink.plugins.vllm import vllm_plugin
     vllm_plugin.register()
     probe = "import sys; print(hash('kvshrink'), sys.flags.hash_randomization)"
     a = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split()

@@ -42,7 +42,7 @@ def model() -> Path:
 @pytest.fixture(scope="session")
 def prompt() -> list[int]:
     """~2K token ids of real text (8 whole 256-token chunks + a tail)."""
-    from kvshrink.benchmarks.inprocess_cpu import prompt_token_ids
+    from kvshrink.testing.inprocess import prompt_token_ids
 
     return prompt_token_ids(E2E_PROMPT_TOKENS)
 

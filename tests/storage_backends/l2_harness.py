@@ -133,6 +133,6 @@ class RecordingListener(L2AdapterListener):
 
 def greedy(server, prompt: list[int], max_tokens: int = 16) -> list[int]:
     """Greedy completion of a token-id prompt from a running VLLMServer, as token ids."""
-    from kvshrink.benchmarks.inprocess_cpu import greedy_token_ids
+    from kvshrink.testing.inprocess import greedy_token_ids
 
     return greedy_token_ids(server.url, server.served_model_name, prompt, max_tokens=max_tokens)

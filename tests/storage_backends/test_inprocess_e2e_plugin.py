@@ -54,7 +54,7 @@ def wait_for_files(directory: Path, count: int, timeout: float = 120.0) -> int:
 
 
 def test_two_requests_then_a_restart_served_by_our_storage_plugin(model, prompt, plain_tokens, tmp_path):
-    from kvshrink.benchmarks.inprocess_cpu import LMCacheActivity, in_process_server
+    from kvshrink.testing.inprocess import LMCacheActivity, in_process_server
 
     shm = f"kvshrink-e2e-{uuid.uuid4().hex[:10]}"
     config = private_config(tmp_path, shm)

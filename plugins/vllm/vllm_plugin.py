@@ -3,14 +3,14 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers), possibly
 more than once; it is idempotent and imports neither LMCache nor torch. What it is for:
 
-- :func:`~kvshrink.plugins.hash_seed.seed_children` in vLLM's first process: with ``LMCACHE_CONFIG_FILE``
+- :func:`~kvshrink.plugins.vllm.hash_seed.seed_children` in vLLM's first process: with ``LMCACHE_CONFIG_FILE``
   set and ``PYTHONHASHSEED`` unset, the engine core and workers vLLM spawns get ``PYTHONHASHSEED=0``,
   so that LMCache's scheduler and workers key chunks alike. Only a plugin runs early enough for that:
   a KV connector is built in the engine core and the workers, after they have started.
 - :func:`log_through_vllm`: ``kvshrink.*`` log lines go to vLLM's handlers (the server log).
 
 The CPU connector is not installed here: vLLM loads it as a KV connector,
-:class:`~kvshrink.plugins.lmcache_cpu_connector.KVShrinkLMCacheConnector` (``kv_connector_module_path``).
+:class:`~kvshrink.plugins.vllm.lmcache_cpu_connector.KVShrinkLMCacheConnector` (``kv_connector_module_path``).
 An earlier version of this plugin swapped LMCache's ``CreateGPUConnector`` from an import hook, for
 ``kv_connector: LMCacheConnectorV1``; that path is gone (on vLLM CPU, LMCache then logs ``No supported
 cpu connector found`` and runs without a cache).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from kvshrink.plugins.hash_seed import seed_children
+from kvshrink.plugins.vllm.hash_seed import seed_children
 
 
 def register() -> None:

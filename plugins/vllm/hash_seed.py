@@ -13,7 +13,7 @@ and the workers. Hence two steps:
   configured). Only then: a fixed seed also gives up Python's hash-flooding protection (and vLLM's
   random seed for xxhash block hashes), which is LMCache's requirement, not every vLLM user's.
 - :func:`check_process_hash_seed`, called by our KV connector
-  (:class:`~kvshrink.plugins.lmcache_cpu_connector.KVShrinkLMCacheConnector`) before LMCache starts,
+  (:class:`~kvshrink.plugins.vllm.lmcache_cpu_connector.KVShrinkLMCacheConnector`) before LMCache starts,
   refuses a process that is still unseeded: no config file named, or the engine core run inside the
   first process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """

@@ -17,7 +17,7 @@ Install (production-stack is not on PyPI and needs Python ≥ 3.12)::
 
 Run (all options after ``--`` go to vllm-router)::
 
-    python -m kvshrink.plugins.router_launcher --index-url http://127.0.0.1:8200 -- \\
+    python -m kvshrink.plugins.router.router_launcher --index-url http://127.0.0.1:8200 -- \\
         --host 127.0.0.1 --port 8001 --service-discovery static \\
         --static-backends http://127.0.0.1:8000,http://127.0.0.1:8100 --static-models M,M
 
@@ -32,7 +32,7 @@ import os
 import sys
 
 # kvshrink.errors imports nothing but the standard library, so it is safe in the router's own
-# environment (this module already runs as kvshrink.plugins.router_launcher there).
+# environment (this module already runs as kvshrink.plugins.router.router_launcher there).
 from kvshrink.errors import KVShrinkError
 
 INSTALL_HINT = """production-stack's router (the Python package `vllm_router`) is not installed in this environment.
@@ -41,7 +41,7 @@ It is not on PyPI and needs Python >= 3.12:
   git clone https://github.com/vllm-project/production-stack
   SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 pip install -e production-stack
   pip install --no-deps -e <kvshrink checkout> && pip install httpx msgspec
-then run this command from that environment (python -m kvshrink.plugins.router_launcher ...)."""
+then run this command from that environment (python -m kvshrink.plugins.router.router_launcher ...)."""
 
 
 class RouterShapeError(KVShrinkError, RuntimeError):
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if not any(a == "--routing-logic" or a.startswith("--routing-logic=") for a in router_argv):
         router_argv += ["--routing-logic", "roundrobin"]  # a stock logic to initialise; replaced below
 
-    from kvshrink.plugins.router_logic import KVShrinkRoutingLogic
+    from kvshrink.plugins.router.router_logic import KVShrinkRoutingLogic
 
     logic = KVShrinkRoutingLogic(args.index_url, timeout_s=args.index_timeout_ms / 1000.0,
                                  token=os.environ.get(args.index_token_env) or None, backoff_s=args.index_backoff_s)
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvshrink.plugins.router_launcher",
+    parser = argparse.ArgumentParser(prog="python -m kvshrink.plugins.router.router_launcher",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -2,11 +2,11 @@
 
 LMCache's in-process runtime moves KV between the engine's cache and its ``MemoryObj`` chunks
 through a connector chosen by ``lmcache.v1.gpu_connector.CreateGPUConnector``, which has none for
-CPU. This one reads vLLM CPU's per-layer caches (see :mod:`kvshrink.plugins.cpu_kv_layout` for
+CPU. This one reads vLLM CPU's per-layer caches (see :mod:`kvshrink.plugins.vllm.cpu_kv_layout` for
 their layout) by ``slot_mapping`` into LMCache's ``KV_2LTD`` objects ``[2, layers, tokens,
 heads*head_dim]`` and writes them back with vLLM's own cache writer. Everything is vectorised per
 layer; nothing loops over tokens in Python. LMCache's engine gets it from our KV connector,
-:class:`~kvshrink.plugins.lmcache_cpu_connector.KVShrinkLMCacheConnector`, through
+:class:`~kvshrink.plugins.vllm.lmcache_cpu_connector.KVShrinkLMCacheConnector`, through
 :func:`create_cpu_connector`.
 """
 
@@ -21,7 +21,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from kvshrink.errors import ConfigError
-from kvshrink.plugins.cpu_kv_layout import KVLayoutError, PagedLayout, gather_tokens, probe_paged_layout, write_tokens
+from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError, PagedLayout, gather_tokens, probe_paged_layout, write_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -4,16 +4,16 @@ vLLM loads it by module path (``KVConnectorFactory``: ``kv_connector`` names the
 ``kv_connector_module_path`` the module)::
 
     --kv-transfer-config '{"kv_connector": "KVShrinkLMCacheConnector",
-                           "kv_connector_module_path": "kvshrink.plugins.lmcache_cpu_connector",
+                           "kv_connector_module_path": "kvshrink.plugins.vllm.lmcache_cpu_connector",
                            "kv_role": "kv_both"}'
 
 :class:`KVShrinkLMCacheConnector` *is* vLLM's ``LMCacheConnectorV1`` (a subclass; every scheduler-
 and worker-side method is vLLM's), which runs LMCache's in-process engine. It adds two things:
 
 - On a CPU device, LMCache's worker engine gets
-  :class:`~kvshrink.plugins.cpu_connector.VLLMPagedMemCPUConnector` (LMCache ships none for CPU).
+  :class:`~kvshrink.plugins.vllm.cpu_connector.VLLMPagedMemCPUConnector` (LMCache ships none for CPU).
   On every other device LMCache's own connectors apply and this class adds nothing but the check below.
-- In every role: a process whose ``hash()`` is unseeded is refused (:mod:`kvshrink.plugins.hash_seed`).
+- In every role: a process whose ``hash()`` is unseeded is refused (:mod:`kvshrink.plugins.vllm.hash_seed`).
 
 How the CPU connector gets in, and why this way. LMCache builds the engine deep inside the base
 constructor: ``LMCacheConnectorV1.__init__`` → ``LMCacheConnectorV1Impl.__init__`` → a
@@ -38,8 +38,8 @@ workers trip over LMCache modules loaded before their start-up.
 Threads: construction is one call on the thread vLLM builds connectors on; the substitution is
 held under a process-wide lock, so two connectors built at once in one process serialize. Errors:
 :class:`LMCacheCompatibilityError` (a :class:`~kvshrink.errors.KVShrinkError`),
-:class:`~kvshrink.plugins.hash_seed.HashSeedError`, :class:`~kvshrink.errors.ConfigError` and
-:class:`~kvshrink.plugins.cpu_kv_layout.KVLayoutError`, all raised from the constructor.
+:class:`~kvshrink.plugins.vllm.hash_seed.HashSeedError`, :class:`~kvshrink.errors.ConfigError` and
+:class:`~kvshrink.plugins.vllm.cpu_kv_layout.KVLayoutError`, all raised from the constructor.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
 from kvshrink.errors import ConfigError, KVShrinkError
-from kvshrink.plugins.hash_seed import check_process_hash_seed, process_hash_is_seeded
-from kvshrink.plugins.vllm_plugin import log_through_vllm
+from kvshrink.plugins.vllm.hash_seed import check_process_hash_seed, process_hash_is_seeded
+from kvshrink.plugins.vllm.vllm_plugin import log_through_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,7 +96,7 @@ class KVShrinkLMCacheConnector(LMCacheConnectorV1):
 
     def _check_engine(self, failures: list[BaseException]) -> None:
         """Raise unless the engine LMCache built holds our CPU connector."""
-        from kvshrink.plugins.cpu_connector import VLLMPagedMemCPUConnector
+        from kvshrink.plugins.vllm.cpu_connector import VLLMPagedMemCPUConnector
 
         engine = getattr(self._lmcache_engine, "lmcache_engine", None)
         connector = getattr(engine, "gpu_connector", None)
@@ -139,7 +139,7 @@ def _for_vllm_on_cpu(original: Callable[..., Any], vllm_engine: Any,
     def create_gpu_connector(config: Any, metadata: Any, engine: Any, *args: Any, **kwargs: Any) -> Any:
         if engine != vllm_engine:
             return original(config, metadata, engine, *args, **kwargs)
-        from kvshrink.plugins.cpu_connector import create_cpu_connector
+        from kvshrink.plugins.vllm.cpu_connector import create_cpu_connector
 
         layout_hints = kwargs.get("layout_hints", args[0] if args else None)
         try:
