@@ -19,6 +19,10 @@ class StoreUnavailableError(KVShrinkError, ConnectionError):
     """A storage tier (disk, Redis, ...) cannot be reached or refuses the operation."""
 
 
+class StoreClosedError(KVShrinkError, RuntimeError):
+    """An operation on a store (or a part of it) after ``close()``: a caller's lifecycle bug."""
+
+
 class ConfigError(KVShrinkError, ValueError):
     """A configuration value is wrong. ``key`` is the setting to fix as the operator spells it
     (``store.tiers[1].path``; None when no single setting is to blame, e.g. an unreadable file

@@ -114,3 +114,28 @@ def test_qat_without_library_is_qat_unavailable() -> None:
                             env={**os.environ, "KVSHRINK_QATZIP_LIB": "off"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "QatUnavailable libqatzip not loaded"
+
+
+def test_a_closed_store_says_so_with_its_own_error(tmp_path) -> None:
+    import numpy as np
+
+    from kvshrink.errors import StoreClosedError
+    from kvshrink.store.tiered import TieredStore
+
+    store = TieredStore.from_config({"tiers": [{"kind": "ssd", "path": str(tmp_path / "ssd"), "capacity": 1 << 20}]})
+    store.close()
+    with pytest.raises(StoreClosedError, match="closed") as info:
+        store.put(b"k", np.zeros(16, dtype=np.uint16))
+    assert isinstance(info.value, KVShrinkError) and isinstance(info.value, RuntimeError)
+
+
+def test_codec_arguments_are_their_own_error_and_survive_pickling() -> None:
+    import pickle
+
+    from kvshrink.codec import Codec, CodecArgumentError
+    from kvshrink.errors import ConfigError
+
+    with pytest.raises(CodecArgumentError) as info:
+        Codec(level=99)
+    err = pickle.loads(pickle.dumps(info.value))
+    assert (err.argument, isinstance(err, KVShrinkError), isinstance(err, ConfigError)) == ("level", True, False)

@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from kvshrink.errors import KVShrinkError, StoreUnavailableError
+from kvshrink.errors import KVShrinkError, StoreClosedError, StoreUnavailableError
 from kvshrink.store.config import StoreConfig, TierConfig
 from kvshrink.store.copy_engine import CopyEngine
 from kvshrink.store.drops import DROP_COUNTERS, RECENT_DROPS, DropListener, DropListeners  # noqa: F401 (re-exported)
@@ -804,7 +804,7 @@ class TieredStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise KVShrinkError("the store is closed")
+            raise StoreClosedError("the store is closed")
 
     def _forget_inflight(self, key: bytes, future: Future) -> None:
         with self._lock:
