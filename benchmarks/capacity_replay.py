@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest, trace_fingerprint
+from kvshrink.benchmarks.comparison import (OURS, STOCK, Budget, SideRun, TierPolicy, Workload, digest,
+                                            trace_fingerprint)
 from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
 from kvshrink.testing.polling import poll_until
@@ -55,21 +56,6 @@ PLUGIN_MODULE = "kvshrink.storage_backends.inprocess_plugin"
 PLUGIN_CLASS = "KVShrinkStoragePlugin"
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> chunks of [2, 30, 256, 192] bf16
 KV_SHAPE = (30, 2, CHUNK_TOKENS, 3, 64)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Cache budget in MiB, identical for both sides."""
-
-    dram_mib: int
-    ssd_mib: int
-
-    @property
-    def total_gib(self) -> float:
-        return (self.dram_mib + self.ssd_mib) / 1024
-
-    def label(self) -> str:
-        return f"DRAM {self.dram_mib / 1024:.2f} + SSD {self.ssd_mib / 1024:.2f} GiB"
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,25 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A cache budget in MiB of DRAM and of SSD, identical for both sides of a comparison."""
+
+    dram_mib: float
+    ssd_mib: float
+
+    @property
+    def total_mib(self) -> float:
+        return self.dram_mib + self.ssd_mib
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_mib / 1024
+
+    def label(self) -> str:
+        return f"{self.total_mib:.0f} MiB ({self.dram_mib:.0f} DRAM + {self.ssd_mib:.0f} SSD)"
+
+
+@dataclass(frozen=True)
 class TierPolicy:
     """How one side arranged its cache: recorded for every side, shown beside every row.
 

@@ -53,7 +53,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest, model_fingerprint
+from kvshrink.benchmarks.comparison import (OURS, STOCK, Budget, SideRun, TierPolicy, Workload, digest,
+                                            model_fingerprint)
 from kvshrink.errors import KVShrinkError
 
 BYTES_PER_TOKEN = 2 * 30 * 192 * 2  # SmolLM2-135M KV in bf16: K and V, 30 layers, 3 KV heads x 64
@@ -99,21 +100,6 @@ def ours_adapter(disk: Path, shm_name: str, dram_mib: float, ssd_mib: float, tem
     store = derive_store(template, paths={"ssd": disk}, shm_names={"dram": shm_name},
                          capacities={"dram": int(dram_mib * MIB), "ssd": int(ssd_mib * MIB)})
     return {**ADAPTER, "adapter_params": {"store": store}}
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Bytes behind LMCache's staging L1: DRAM and SSD, the same for every stack."""
-
-    dram_mib: float
-    ssd_mib: float
-
-    @property
-    def total_mib(self) -> float:
-        return self.dram_mib + self.ssd_mib
-
-    def label(self) -> str:
-        return f"{self.total_mib:.0f} MiB ({self.dram_mib:.0f} DRAM + {self.ssd_mib:.0f} SSD)"
 
 
 STOCK_VARIANTS = ("l1-all-dram", "l2-all")
