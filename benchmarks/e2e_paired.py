@@ -32,7 +32,7 @@ Phases:
 
 Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
 CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
-(``PairedSettings.trace``: ~11K prompt tokens a replay). Two faster settings were tried and
+(``PairedSettings.trace``: ~12K prompt tokens a replay). Two faster settings were tried and
 rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
 answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
 which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
@@ -55,6 +55,7 @@ import numpy as np
 
 from kvshrink.benchmarks.comparison import (OURS, STOCK, Budget, SideRun, TierPolicy, Workload, digest,
                                             model_fingerprint)
+from kvshrink.benchmarks.paired_stats import difference_of_rates, ratio_of_sums, verdict
 from kvshrink.errors import KVShrinkError
 
 BYTES_PER_TOKEN = 2 * 30 * 192 * 2  # SmolLM2-135M KV in bf16: K and V, 30 layers, 3 KV heads x 64
@@ -286,36 +287,7 @@ def rotated(stacks: Sequence[Stack], step: int) -> list[Stack]:
     return list(stacks[k:]) + list(stacks[:k])
 
 
-# -- statistics -------------------------------------------------------------------------------------
-def ratio_of_sums(ours: Sequence[float], stock: Sequence[float], resamples: int = 10_000,
-                  seed: int = 0) -> dict[str, float]:
-    """sum(ours) / sum(stock) over paired requests, with a 95 % percentile-bootstrap interval
-    (requests resampled with their pairs)."""
-    o, s = np.asarray(ours, dtype=np.float64), np.asarray(stock, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
-    boots = o[picks].sum(axis=1) / s[picks].sum(axis=1)
-    low, high = np.percentile(boots, [2.5, 97.5])
-    return {"value": float(o.sum() / s.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
-
-
-def difference_of_rates(ours_hits: Sequence[float], stock_hits: Sequence[float], prompt: Sequence[float],
-                        resamples: int = 10_000, seed: int = 1) -> dict[str, float]:
-    """hit rate (hit tokens / prompt tokens) of ours minus stock's, with a 95 % bootstrap interval."""
-    o, s, p = (np.asarray(x, dtype=np.float64) for x in (ours_hits, stock_hits, prompt))
-    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
-    boots = (o[picks].sum(axis=1) - s[picks].sum(axis=1)) / p[picks].sum(axis=1)
-    low, high = np.percentile(boots, [2.5, 97.5])
-    return {"value": float((o.sum() - s.sum()) / p.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
-
-
-def verdict(interval: dict[str, float], target: float, higher_is_better: bool = False) -> str:
-    """``met`` / ``not met`` only where the whole interval lies on one side of ``target``."""
-    low, high = interval["low"], interval["high"]
-    if higher_is_better:
-        return "met" if low >= target else "not met" if high < target else "inconclusive"
-    return "met" if high <= target else "not met" if low > target else "inconclusive"
-
-
+# -- figures ----------------------------------------------------------------------------------------
 def side_figures(samples: Sequence[Sample]) -> dict[str, float]:
     ttft = [s.ttft_s for s in samples]
     prompt = sum(s.prompt_tokens for s in samples)

@@ -47,3 +47,32 @@ def paired_ratio(ours: Sequence[float], stock: Sequence[float], *, confidence: f
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(medians, [tail, 100 - tail])
     return PairedRatio(float(np.median(ratios)), float(low), float(high), int(ratios.size), confidence)
+
+
+def ratio_of_sums(ours: Sequence[float], stock: Sequence[float], resamples: int = 10_000,
+                  seed: int = 0) -> dict[str, float]:
+    """sum(ours) / sum(stock) over paired requests, with a 95 % percentile-bootstrap interval
+    (requests resampled with their pairs)."""
+    o, s = np.asarray(ours, dtype=np.float64), np.asarray(stock, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
+    boots = o[picks].sum(axis=1) / s[picks].sum(axis=1)
+    low, high = np.percentile(boots, [2.5, 97.5])
+    return {"value": float(o.sum() / s.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
+
+
+def difference_of_rates(ours_hits: Sequence[float], stock_hits: Sequence[float], prompt: Sequence[float],
+                        resamples: int = 10_000, seed: int = 1) -> dict[str, float]:
+    """hit rate (hit tokens / prompt tokens) of ours minus stock's, with a 95 % bootstrap interval."""
+    o, s, p = (np.asarray(x, dtype=np.float64) for x in (ours_hits, stock_hits, prompt))
+    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
+    boots = (o[picks].sum(axis=1) - s[picks].sum(axis=1)) / p[picks].sum(axis=1)
+    low, high = np.percentile(boots, [2.5, 97.5])
+    return {"value": float((o.sum() - s.sum()) / p.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
+
+
+def verdict(interval: dict[str, float], target: float, higher_is_better: bool = False) -> str:
+    """``met`` / ``not met`` only where the whole interval lies on one side of ``target``."""
+    low, high = interval["low"], interval["high"]
+    if higher_is_better:
+        return "met" if low >= target else "not met" if high < target else "inconclusive"
+    return "met" if high <= target else "not met" if low > target else "inconclusive"

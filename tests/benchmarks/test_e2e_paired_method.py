@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvshrink.benchmarks import e2e_paired as ep
+from kvshrink.benchmarks import paired_stats as ps
 from kvshrink.benchmarks.agent_trace import TraceConfig, generate
 from kvshrink.benchmarks.comparison import IncomparableError
 from kvshrink.configs import load_store_mapping
@@ -26,24 +27,24 @@ def test_ratio_of_sums_interval_covers_the_truth_and_narrows_with_pairs() -> Non
     rng = np.random.default_rng(3)
     stock = rng.uniform(1, 10, 400)
     ours = stock * 0.7 * rng.lognormal(0, 0.3, 400)  # ~0.7x with +-30 % noise per request
-    wide, narrow = ep.ratio_of_sums(ours[:20], stock[:20]), ep.ratio_of_sums(ours, stock)
+    wide, narrow = ps.ratio_of_sums(ours[:20], stock[:20]), ps.ratio_of_sums(ours, stock)
     assert narrow["low"] < 0.75 and narrow["high"] > 0.68 and narrow["pairs"] == 400
     assert narrow["high"] - narrow["low"] < wide["high"] - wide["low"]
     assert narrow["value"] == pytest.approx(ours.sum() / stock.sum())
 
 
 def test_verdict_only_where_the_interval_clears_the_threshold() -> None:
-    assert ep.verdict({"low": 0.6, "high": 0.8}, 0.85) == "met"
-    assert ep.verdict({"low": 0.8, "high": 0.9}, 0.85) == "inconclusive"
-    assert ep.verdict({"low": 0.9, "high": 1.1}, 0.85) == "not met"
-    assert ep.verdict({"low": 0.12, "high": 0.2}, 0.10, higher_is_better=True) == "met"
-    assert ep.verdict({"low": 0.05, "high": 0.2}, 0.10, higher_is_better=True) == "inconclusive"
-    assert ep.verdict({"low": 0.01, "high": 0.05}, 0.10, higher_is_better=True) == "not met"
+    assert ps.verdict({"low": 0.6, "high": 0.8}, 0.85) == "met"
+    assert ps.verdict({"low": 0.8, "high": 0.9}, 0.85) == "inconclusive"
+    assert ps.verdict({"low": 0.9, "high": 1.1}, 0.85) == "not met"
+    assert ps.verdict({"low": 0.12, "high": 0.2}, 0.10, higher_is_better=True) == "met"
+    assert ps.verdict({"low": 0.05, "high": 0.2}, 0.10, higher_is_better=True) == "inconclusive"
+    assert ps.verdict({"low": 0.01, "high": 0.05}, 0.10, higher_is_better=True) == "not met"
 
 
 def test_hit_rate_difference_is_in_points_of_prompt_tokens() -> None:
     prompt = [1000, 1000, 1000, 1000]
-    d = ep.difference_of_rates([800, 600, 900, 700], [500, 500, 500, 500], prompt)
+    d = ps.difference_of_rates([800, 600, 900, 700], [500, 500, 500, 500], prompt)
     assert d["value"] == pytest.approx(0.25)
     assert d["low"] <= 0.25 <= d["high"]
 
