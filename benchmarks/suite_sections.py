@@ -34,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "codec": {"samples": 8, "repeats": 15},
         "capacity": {"trace": dict(sessions=32, turns=8, concurrency=16, system_tokens=3000, tokens_per_turn=300,
                                    output_tokens=80, seed=0),
-                     "fractions": (0.25, 0.4, 0.55, 0.7, 0.85, 1.0), "dram_share": 0.25, "full_verify": True},
+                     "fractions": (0.25, 0.4, 0.55, 0.7), "dram_share": 0.25, "full_verify": True},
         "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2)},
         "e2e": {"hot_pairs": 12},  # the trace and budgets: e2e_paired.PairedSettings
     },
