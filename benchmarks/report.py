@@ -148,7 +148,7 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
     lines = ["## Benchmark: KVShrink vs stock LMCache", "",
              f"Measured side by side in one run on {m.get('cpus', '?')} CPU cores ({m.get('cpu_model', '?')}, "
              f"{_flags(m)}; {m.get('platform', '')}), "
-             f"LMCache {m.get('lmcache', '?')}, vLLM {m.get('vllm', '?')}, SmolLM2-135M (bf16 weights; the e2e section computes in fp32 with a bf16 KV cache), "
+             f"LMCache {m.get('lmcache', '?')}, vLLM {m.get('vllm', '?')}, SmolLM2-135M bf16, "
              f"{report.get('started', '')}; load average {m.get('loadavg_before', ['?'])[0]} before, "
              f"{m.get('loadavg_after', ['?'])[0]} after. Absolute times on a shared CPU machine are indicative; "
              "ratios are the result.", "", "```bash", report.get("command", "kvshrink bench"), "```", "",
