@@ -80,12 +80,11 @@ class E2EError(KVShrinkError):
 # -- what each stack runs ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Arrangement:
-    """One stack's cache server for one phase: its L1, its L2 adapter, its extra flags, its policy."""
+    """One stack's cache server for one phase: its L1, its L2 adapter, its policy."""
 
     l1_mib: float
     adapter: dict[str, Any]
     policy: TierPolicy
-    extra_args: tuple[str, ...] = ()
     shm_name: str | None = None
     disk: Path | None = None
 
@@ -173,7 +172,7 @@ class Stack:
         self._starts += 1
         self.arrangement = arrangement
         self.server = LMCacheServer(port=self.port, l1_size_gb=arrangement.l1_mib / 1024,
-                                    l2_adapters=[arrangement.adapter], extra_args=arrangement.extra_args,
+                                    l2_adapters=[arrangement.adapter],
                                     chunk_size=self.chunk_tokens,
                                     log_path=self.log_dir / f"lmcache-{self.key}-{self._starts}.log",
                                     env={"LMCACHE_LOG_LEVEL": "INFO"})

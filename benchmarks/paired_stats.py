@@ -42,7 +42,7 @@ def paired_ratio(ours: Sequence[float], stock: Sequence[float], *, confidence: f
     if np.any(stock_arr <= 0):
         raise ValueError("paired_ratio: stock times must be positive")
     ratios = np.asarray(ours, dtype=np.float64) / stock_arr
-    picks = np.random.default_rng(seed).integers(0, ratios.size, size=(resamples, ratios.size))
+    picks = _resample(ratios.size, resamples, seed)
     medians = np.median(ratios[picks], axis=1)
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(medians, [tail, 100 - tail])
@@ -54,7 +54,7 @@ def ratio_of_sums(ours: Sequence[float], stock: Sequence[float], resamples: int 
     """sum(ours) / sum(stock) over paired requests, with a 95 % percentile-bootstrap interval
     (requests resampled with their pairs)."""
     o, s = np.asarray(ours, dtype=np.float64), np.asarray(stock, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
+    picks = _resample(o.size, resamples, seed)
     boots = o[picks].sum(axis=1) / s[picks].sum(axis=1)
     low, high = np.percentile(boots, [2.5, 97.5])
     return {"value": float(o.sum() / s.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
@@ -64,7 +64,7 @@ def difference_of_rates(ours_hits: Sequence[float], stock_hits: Sequence[float],
                         resamples: int = 10_000, seed: int = 1) -> dict[str, float]:
     """hit rate (hit tokens / prompt tokens) of ours minus stock's, with a 95 % bootstrap interval."""
     o, s, p = (np.asarray(x, dtype=np.float64) for x in (ours_hits, stock_hits, prompt))
-    picks = np.random.default_rng(seed).integers(0, o.size, size=(resamples, o.size))
+    picks = _resample(o.size, resamples, seed)
     boots = (o[picks].sum(axis=1) - s[picks].sum(axis=1)) / p[picks].sum(axis=1)
     low, high = np.percentile(boots, [2.5, 97.5])
     return {"value": float((o.sum() - s.sum()) / p.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
@@ -76,3 +76,8 @@ def verdict(interval: dict[str, float], target: float, higher_is_better: bool = 
     if higher_is_better:
         return "met" if low >= target else "not met" if high < target else "inconclusive"
     return "met" if high <= target else "not met" if low > target else "inconclusive"
+
+
+def _resample(pairs: int, resamples: int, seed: int) -> np.ndarray:
+    """``resamples`` bootstrap draws of ``pairs`` pair indices (seeded: same pairs, same interval)."""
+    return np.random.default_rng(seed).integers(0, pairs, size=(resamples, pairs))

@@ -268,8 +268,6 @@ def throughput(ctx: Context) -> Section:
 # -- 4. end to end ----------------------------------------------------------------------------------
 def e2e(ctx: Context) -> Section:
     """The paired end-to-end harness (``e2e_paired``): hot path, restart, agent replay per budget."""
-    from kvshrink.benchmarks import e2e_paired as ep
-
     bench = ctx.e2e_engine or ctx.paired_bench()
     with ctx.bar(total=None, desc="end to end", unit="step", leave=False) as bar:
         def progress(text: str) -> None:
