@@ -112,6 +112,9 @@ class SsdTier(Tier):
         self._reserved = 0  # bytes of writes in flight, counted against capacity
         self._index_incomplete = False  # an index update failed: the next open must rescan
         self._scanning = 0  # reconcile() calls running: files may exist that the index lacks
+        # keys an untrusted index names whose file nobody has seen yet: a crash or a damaged index
+        # may name files that are gone (a lost DELETE record, an older copy of the index restored)
+        self._unverified: set[bytes] = set()
         try:
             self._load_index()
         except BaseException as exc:
@@ -139,6 +142,7 @@ class SsdTier(Tier):
         disagreement = self._check_clean_marker()
         self.clean_start = disagreement is None
         if disagreement is not None:
+            self._unverified = set(self._lru.keys())
             log.log(logging.INFO if disagreement == NOT_CLOSED else logging.WARNING,
                     "tier %s: %s; rescanning %s in the background", self.name, disagreement, self.chunks_dir)
 
@@ -218,6 +222,7 @@ class SsdTier(Tier):
                 self._reserved -= size
         with self._lock:
             self._lru.add(key, size)
+            self._unverified.discard(key)
             self._append_index(PUT, key, size)
         self.counters.add("puts")
         self.counters.add("put_bytes", size)
@@ -380,8 +385,20 @@ class SsdTier(Tier):
             return known or removed
 
     def contains(self, key: bytes) -> bool:
+        """Whether the tier holds ``key``. After a crash or a damaged index, until the reconcile
+        is done, an entry the index names is checked against its file once: the store skips
+        demoting a chunk a lower tier claims to hold, so a claim for a file that is gone would
+        lose the only copy."""
         with self._lock:
-            return key in self._lru
+            if key not in self._lru:
+                return False
+            if key in self._unverified:
+                self._unverified.discard(key)
+                if not self.path_for(key).exists():
+                    self._lru.pop(key)
+                    self._append_index(DELETE, key, 0)
+                    return False
+            return True
 
     def keys(self) -> list[bytes]:
         with self._lock:
@@ -427,6 +444,8 @@ class SsdTier(Tier):
                         self._lru.pop(key)
                         self._append_index(DELETE, key, 0)
                         changed += 1
+        with self._lock:  # every entry named at the start was found on disk or dropped
+            self._unverified.difference_update(by_name.values())
         return changed
 
     def _adopt(self, path: Path) -> int:
@@ -452,6 +471,7 @@ class SsdTier(Tier):
             if key in self._lru:
                 return 0
             self._lru.add(key, stat.st_size)
+            self._unverified.discard(key)
             self._append_index(PUT, key, stat.st_size)
         return 1
 

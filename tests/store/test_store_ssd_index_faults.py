@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -296,3 +297,43 @@ def test_a_key_deleted_during_a_rescan_is_not_adopted_afterwards(tmp_path, chunk
         assert_holds_exactly(tier, {key(0): chunks[0]})
     finally:
         tier.close()
+
+
+def test_an_older_index_naming_a_gone_file_does_not_cost_the_only_copy(tmp_path, shm_name, small_chunks, monkeypatch):
+    """An older copy of index.log put back names a chunk file that a later overwrite deleted. The
+    store skips demoting a DRAM chunk that the SSD claims to hold, so until the reconcile has run
+    (held back here) the SSD must not claim it: evicting the current value from DRAM must demote it."""
+    from kvshrink.store import TieredStore
+
+    cfg = {"engine": {"put_workers": 1},
+           "tiers": [{"kind": "dram", "capacity": 6 << 20, "shm_name": shm_name},
+                     {"kind": "ssd", "capacity": 1 << 30, "path": str(tmp_path / "ssd")}]}
+    index = tmp_path / "ssd" / "index.log"
+
+    def fill(store: TieredStore, prefix: bytes) -> None:
+        for i in range(8):
+            assert store.put(prefix + b"%02d" % i, small_chunks[2 + i]).result(timeout=60)
+
+    with TieredStore.from_config(cfg) as store:
+        assert store.put(b"A", small_chunks[0]).result(timeout=60)
+        fill(store, b"first-")
+        assert store.where(b"A") == "ssd"
+    older = index.read_bytes()
+    with TieredStore.from_config(cfg) as store:
+        assert store.put(b"A", small_chunks[1]).result(timeout=60)  # deletes the SSD file of the old value
+        assert store.where(b"A") == "dram"
+    index.write_bytes(older)
+
+    release = threading.Event()
+    reconcile = SsdTier._reconcile_quietly
+    monkeypatch.setattr(SsdTier, "_reconcile_quietly", lambda tier: (release.wait(60), reconcile(tier)))
+    with TieredStore.from_config(cfg) as store:
+        try:
+            ssd = store.tiers[1]
+            assert not ssd.clean_start
+            fill(store, b"second-")  # evicts A from DRAM while the reconcile waits
+        finally:
+            release.set()
+        got = store.get(b"A")
+        assert got is not None and np.array_equal(got, small_chunks[1]), store.where(b"A")
+        assert ssd.counters.snapshot()["quarantined"] == 0
