@@ -20,19 +20,25 @@ Phases:
 * **restart**: both cache servers restarted (our shared-memory DRAM tier removed too, so ours comes
   from the SSD tier, as stock's from its files), the hot-path prompt again, against its cold TTFT.
 * **agent replay**, the workload the project exists for: an agent trace whose sessions' contexts
-  grow every turn, more KV than the budget, at several budgets. Every stack has the same LMCache
-  L1 in front (``l1_mib``: room for the largest request's chunks, which LMCache's L1 must hold
-  while it loads them into vLLM; not counted in the budget) and the same DRAM + SSD budget behind
-  it: stock runs each of its sensible arrangements -- ``l1-all-dram`` (the DRAM budget added to
-  L1, ``fs_native`` = the SSD budget; LMCache writes every chunk to both) and ``l2-all`` (the whole
-  budget in ``fs_native``: the arrangement ours uses) -- and ours the shipped default store, its DRAM
-  tier = the DRAM budget, its SSD tier = the SSD budget. Reported per budget: hit rate, total
+  grow every turn, more KV than the budget, at several budgets, sessions interleaved at random
+  (think times longer than a turn) so that the KV a turn needs has aged by varying amounts. Every
+  stack spends the same DRAM + SSD budget: stock runs each of its sensible arrangements --
+  ``l1-all-dram`` (LMCache's L1 caches the DRAM budget, ``fs_native`` = the SSD budget; LMCache
+  writes every chunk to both) and ``l2-all`` (the whole budget in ``fs_native``: the arrangement
+  ours uses) -- and ours the shipped default store, its DRAM tier = the DRAM budget, its SSD tier =
+  the SSD budget. LMCache's L1 caches nothing else on any stack, but every L1 also keeps free room
+  for the largest request's chunks (:func:`l1_headroom_for`, not counted): LMCache's mp L1 evicts
+  from a thread once a second, above a watermark, and a store that finds no room when it
+  allocates is dropped (a log line, no error), so an L1 with too little free room silently keeps
+  the chunks of every larger request out of every L2 alike. Before each request the harness waits
+  until that room is free again (:meth:`Stack.wait_l1_room`), and each stack's allocation failures
+  are counted from its server log. Reported per budget: hit rate, total
   prefill time (sum of TTFT) with a 95 % bootstrap interval of ours / stock-at-best, TTFT p50 /
   p90, bytes held.
 
 Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
 CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
-(``PairedSettings.trace``: ~12K prompt tokens a replay). Two faster settings were tried and
+(``PairedSettings.trace``: ~14K prompt tokens a replay). Two faster settings were tried and
 rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
 answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
 which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
@@ -63,6 +69,8 @@ MIB = 1 << 20
 ENGINE_ARGS = ("--dtype", "bfloat16")
 ENGINE_LABEL = "vLLM CPU 0.32, SmolLM2-135M bf16 (weights, compute and KV), prefix cache off"
 L1_FLOOR_MIB = 16  # LMCache's L1 must hold one request's chunks while it loads them into vLLM
+L1_EVICTION_RATIO = 0.2  # LMCache's default: a fifth of the L1's keys per eviction pass
+ALLOCATION_FAILED = "Failed to batched allocate"  # LMCache's log line for a store dropped for want of L1 room
 ADAPTER = {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
            "class_name": "KVShrinkL2Adapter"}
 # stock's L2 eviction at its best: evict late and little, so it keeps nearly all of its budget
@@ -80,13 +88,27 @@ class E2EError(KVShrinkError):
 # -- what each stack runs ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Arrangement:
-    """One stack's cache server for one phase: its L1, its L2 adapter, its policy."""
+    """One stack's cache server for one phase: its L1, its L2 adapter, its policy. ``l1_mib`` is what
+    LMCache's L1 may cache; ``l1_headroom_mib`` more is kept free for the chunks of one request in
+    flight (the L1's eviction watermark sits at ``l1_mib``; none: LMCache's own watermark)."""
 
     l1_mib: float
     adapter: dict[str, Any]
     policy: TierPolicy
     shm_name: str | None = None
     disk: Path | None = None
+    l1_headroom_mib: float = 0.0
+
+    @property
+    def l1_size_mib(self) -> float:
+        return self.l1_mib + self.l1_headroom_mib
+
+    def server_args(self) -> tuple[str, ...]:
+        """``lmcache server`` flags that put the L1's eviction watermark at ``l1_mib``."""
+        if not self.l1_headroom_mib:
+            return ()
+        return ("--eviction-trigger-watermark", f"{self.l1_mib / self.l1_size_mib:.4f}",
+                "--eviction-ratio", f"{L1_EVICTION_RATIO if self.l1_mib else 1.0}")
 
 
 def stock_fs_native(disk: Path, capacity_mib: float) -> dict[str, Any]:
@@ -105,25 +127,26 @@ def ours_adapter(disk: Path, shm_name: str, dram_mib: float, ssd_mib: float, tem
 STOCK_VARIANTS = ("l1-all-dram", "l2-all")
 
 
-def replay_arrangement(key: str, budget: Budget, l1_mib: float, workdir: Path, shm_name: str,
+def replay_arrangement(key: str, budget: Budget, headroom_mib: float, workdir: Path, shm_name: str,
                        template: Path | None) -> Arrangement:
-    """The arrangement ``key`` (``ours`` or one of :data:`STOCK_VARIANTS`) of ``budget`` behind an
-    ``l1_mib`` L1."""
+    """The arrangement ``key`` (``ours`` or one of :data:`STOCK_VARIANTS`) of ``budget``; every L1
+    keeps ``headroom_mib`` free on top of what it caches."""
     disk = workdir / "l2"
     if key == "l1-all-dram":
-        return Arrangement(l1_mib + budget.dram_mib, stock_fs_native(disk, budget.ssd_mib),
-                           TierPolicy(f"stock l1-all-dram: L1 {l1_mib:.0f} + {budget.dram_mib:.0f} MiB, fs_native "
-                                      f"{budget.ssd_mib:.0f} MiB", "inclusive", l1_mib + budget.dram_mib, True),
-                           disk=disk)
+        return Arrangement(budget.dram_mib, stock_fs_native(disk, budget.ssd_mib),
+                           TierPolicy(f"stock l1-all-dram: L1 caches {budget.dram_mib:.0f} MiB, fs_native "
+                                      f"{budget.ssd_mib:.0f} MiB", "inclusive", budget.dram_mib, True),
+                           disk=disk, l1_headroom_mib=headroom_mib)
     if key == "l2-all":
-        return Arrangement(l1_mib, stock_fs_native(disk, budget.total_mib),
-                           TierPolicy(f"stock l2-all: L1 {l1_mib:.0f} MiB, fs_native {budget.total_mib:.0f} MiB",
-                                      "inclusive", l1_mib, True), disk=disk)
+        return Arrangement(0.0, stock_fs_native(disk, budget.total_mib),
+                           TierPolicy(f"stock l2-all: fs_native {budget.total_mib:.0f} MiB (L1 only stages)",
+                                      "inclusive", 0.0, True), disk=disk, l1_headroom_mib=headroom_mib)
     if key == "ours":
-        return Arrangement(l1_mib, ours_adapter(disk, shm_name, budget.dram_mib, budget.ssd_mib, template),
-                           TierPolicy(f"KVShrink: L1 {l1_mib:.0f} MiB, shipped default store {budget.dram_mib:.0f} "
-                                      f"MiB DRAM + {budget.ssd_mib:.0f} MiB SSD (compressed, exclusive)", "exclusive",
-                                      l1_mib, True), shm_name=shm_name, disk=disk)
+        return Arrangement(0.0, ours_adapter(disk, shm_name, budget.dram_mib, budget.ssd_mib, template),
+                           TierPolicy(f"KVShrink: shipped default store {budget.dram_mib:.0f} MiB DRAM + "
+                                      f"{budget.ssd_mib:.0f} MiB SSD (compressed, exclusive; L1 only stages)",
+                                      "exclusive", 0.0, True), shm_name=shm_name, disk=disk,
+                           l1_headroom_mib=headroom_mib)
     raise ValueError(f"unknown arrangement {key!r}")
 
 
@@ -171,10 +194,10 @@ class Stack:
 
         self._starts += 1
         self.arrangement = arrangement
-        self.server = LMCacheServer(port=self.port, l1_size_gb=arrangement.l1_mib / 1024,
+        self.server = LMCacheServer(port=self.port, l1_size_gb=arrangement.l1_size_mib / 1024,
                                     l2_adapters=[arrangement.adapter],
-                                    chunk_size=self.chunk_tokens,
-                                    log_path=self.log_dir / f"lmcache-{self.key}-{self._starts}.log",
+                                    chunk_size=self.chunk_tokens, extra_args=arrangement.server_args(),
+                                    log_path=self.server_log,
                                     env={"LMCACHE_LOG_LEVEL": "INFO"})
         self.server.start()
         self.port = self.server.port
@@ -230,6 +253,28 @@ class Stack:
         import httpx
 
         httpx.post(f"{self.server.http_url}/cache/clear", json={"tier": "l1"}, timeout=30).raise_for_status()
+
+    @property
+    def server_log(self) -> Path:
+        return self.log_dir / f"lmcache-{self.key}-{self._starts}.log"
+
+    def allocation_failures(self) -> int:
+        """Stores LMCache's L1 dropped for want of room since this cache server started."""
+        if not self.server_log.exists():
+            return 0
+        with open(self.server_log, errors="replace") as log:
+            return sum(ALLOCATION_FAILED in line for line in log)
+
+    def wait_l1_room(self, need_bytes: float, timeout: float = 60.0) -> None:
+        """Until LMCache's L1 has ``need_bytes`` free (its eviction thread runs once a second)."""
+        from kvshrink.testing.polling import poll_until
+
+        def room() -> bool:
+            l1 = self.server.status()["storage_manager"]["l1_manager"]
+            return l1["memory_total_bytes"] - l1["memory_used_bytes"] >= need_bytes
+
+        poll_until(room, timeout, interval=0.1, what=f"{self.key}: {need_bytes / MIB:.0f} MiB free in LMCache's L1",
+                   error=E2EError)
 
     def wait_idle(self, timeout: float = 120.0) -> None:
         """Until the cache server has no store in flight and, for ours, the store's queues are empty
@@ -304,11 +349,12 @@ class PairedSettings:
     hot_l1_mib: float = 256
     restart: bool = True
     # sized for vLLM CPU bf16 (a miss costs ~28 ms a token on 2 AVX2 cores): 6 agent sessions of
-    # 2-4 turns, all in flight at once, contexts 0.5-0.8K tokens; ~12K prompt tokens a replay
+    # 2-6 turns, all in flight at once and interleaved at random (a think time of ~20 s against a
+    # nominal 3 s turn), contexts 0.5-0.9K tokens; ~14K prompt tokens a replay
     trace: dict[str, Any] = field(default_factory=lambda: dict(
-        sessions=6, turns=3, concurrency=6, system_tokens=128, first_user_tokens=384, tokens_per_turn=32,
-        output_tokens=16, agents=1, seed=0))
-    fractions: tuple[float, ...] = (0.35, 0.4, 0.5)  # budget / distinct KV of the trace
+        sessions=6, turns=4, concurrency=6, system_tokens=128, first_user_tokens=384, tokens_per_turn=32,
+        output_tokens=16, agents=1, think_s=20.0, seed=0))
+    fractions: tuple[float, ...] = (0.45, 0.5, 0.55)  # budget / distinct KV of the trace
     dram_share: float = 0.25
     chunk_tokens: int = 128  # LMCache's default is 256; both sides run 128 (finer reuse of short prompts)
     stock_variants: tuple[str, ...] = STOCK_VARIANTS
@@ -344,9 +390,14 @@ def budgets_for(distinct: int, chunk_tokens: int, fractions: Sequence[float], dr
     return [Budget(round(kv_mib * f * dram_share, 1), round(kv_mib * f * (1 - dram_share), 1)) for f in fractions]
 
 
-def l1_for(requests: Sequence[Any]) -> float:
-    """L1 for the replay: room for the largest request's KV and a quarter more, in 8 MiB steps."""
-    largest = max(len(r.token_ids) for r in requests) * BYTES_PER_TOKEN * 1.25 / MIB
+def largest_request_bytes(requests: Sequence[Any]) -> int:
+    return max(len(r.token_ids) for r in requests) * BYTES_PER_TOKEN
+
+
+def l1_headroom_for(requests: Sequence[Any]) -> float:
+    """Free L1 room every replay stack keeps: twice the largest request's KV (its chunks loaded
+    and stored in one request while the once-a-second eviction catches up), in 8 MiB steps."""
+    largest = 2 * largest_request_bytes(requests) / MIB
     return float(max(L1_FLOOR_MIB, 8 * -(-largest // 8)))
 
 
@@ -422,13 +473,13 @@ class PairedBench:
             distinct = distinct_chunks(requests, self.settings.chunk_tokens)
             budgets = budgets_for(distinct, self.settings.chunk_tokens, self.settings.fractions,
                                   self.settings.dram_share)
-            l1_mib = l1_for(requests)
+            headroom = l1_headroom_for(requests)
             result = PairedResult(
                 settings={**vars(self.settings)},
                 workload={"model": model_fingerprint(self.model), "engine": ENGINE_LABEL,
                           "trace": digest(*[np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
                           "hot_prompt": digest(prompt),
-                          "requests": len(requests), "distinct_chunks": distinct, "replay_l1_mib": l1_mib,
+                          "requests": len(requests), "distinct_chunks": distinct, "replay_l1_headroom_mib": headroom,
                           "prompt_tokens": int(sum(len(r.token_ids) for r in requests))},
                 store_config=store_record(self.template))
             self.progress("starting vLLM")
@@ -438,7 +489,7 @@ class PairedBench:
             if self.settings.restart:
                 result.restart = self.restart(prompt, result.hot)
             for budget in budgets:
-                result.replay.append(self.replay(requests, budget, l1_mib))
+                result.replay.append(self.replay(requests, budget, headroom))
             return result
         finally:
             self.stop()
@@ -498,27 +549,31 @@ class PairedBench:
                 "sides": {s.key: {"cold_ttft_s": cold[s.key]["ttft_s"], "after_restart": vars(after[s.key]),
                                   "over_cold": after[s.key].ttft_s / cold[s.key]["ttft_s"]} for s in pair}}
 
-    def replay(self, requests: Sequence[Any], budget: Budget, l1_mib: float) -> dict[str, Any]:
+    def replay(self, requests: Sequence[Any], budget: Budget, headroom_mib: float) -> dict[str, Any]:
         for stack in self.stacks:
-            stack.reconfigure(replay_arrangement(stack.key, budget, l1_mib, stack.workdir, stack.shm_name,
+            stack.reconfigure(replay_arrangement(stack.key, budget, headroom_mib, stack.workdir, stack.shm_name,
                                                  self.template))
         samples: dict[str, list[Sample]] = {s.key: [] for s in self.stacks}
+        need = largest_request_bytes(requests)
         for i, r in enumerate(requests):
             self.progress(f"agent replay {budget.label()}: {i + 1}/{len(requests)}")
             prompt = [int(t) for t in r.token_ids]
             for s in rotated(self.stacks, i):
+                s.wait_l1_room(need)
                 samples[s.key].append(s.request(prompt, max_tokens=self.settings.max_tokens))
                 s.wait_idle()
         held = {s.key: s.held() for s in self.stacks}
         figures = {k: {**side_figures(v), "held_bytes": held[k]["bytes"], "held_chunks": held[k]["chunks"]}
                    for k, v in samples.items()}
+        for s in self.stacks:  # a dropped store would bias the comparison: say so next to the figures
+            figures[s.key]["l1_allocation_failures"] = float(s.allocation_failures())
         stock_keys = [s.key for s in self.stacks if s.side == STOCK]
         best = min(stock_keys, key=lambda k: (figures[k]["prefill_s"], -figures[k]["hit_rate"]))
         ours = self.ours.key
         prefill = ratio_of_sums([x.ttft_s for x in samples[ours]], [x.ttft_s for x in samples[best]])
         points = difference_of_rates([x.hit_tokens for x in samples[ours]], [x.hit_tokens for x in samples[best]],
                                      [x.prompt_tokens for x in samples[ours]])
-        return {"budget": vars(budget), "label": budget.label(), "l1_mib": l1_mib, "stock_best": best,
+        return {"budget": vars(budget), "label": budget.label(), "l1_headroom_mib": headroom_mib, "stock_best": best,
                 "figures": figures,
                 "policies": {s.key: vars(s.arrangement.policy) for s in self.stacks},
                 "prefill_ratio": {**prefill, "target": REPLAY_PREFILL_TARGET,
@@ -553,7 +608,8 @@ def _agreement(samples: dict[str, list[Sample]], ours: str, stock: str) -> dict[
 def side_runs(result: PairedResult) -> Iterator[tuple[str, SideRun, SideRun]]:
     """(case, stock-at-best, ours) per replay budget, as comparable side runs."""
     for entry in result.replay:
-        budget = {**entry["budget"], "l1_mib": entry["l1_mib"], "chunk_tokens": result.settings["chunk_tokens"]}
+        budget = {**entry["budget"], "l1_headroom_mib": entry["l1_headroom_mib"],
+                  "chunk_tokens": result.settings["chunk_tokens"]}
         workload = Workload(result.workload["trace"], result.workload["model"], budget)
         best = entry["stock_best"]
         stock = SideRun(STOCK, workload, entry["figures"][best], {"variant": best}, TierPolicy(**entry["policies"][best]))

@@ -26,9 +26,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "fractions": (0.4, 0.55, 0.8), "dram_share": 0.25, "full_verify": False},
         "throughput": {"keys_per_submit": 4, "rounds": 2, "threads": (1, 2)},
         # the agent replay at one budget, on a smaller trace (e2e_paired.PairedSettings has the full one)
-        "e2e": {"hot_pairs": 5, "fractions": (0.4,),
+        "e2e": {"hot_pairs": 5, "fractions": (0.6,),
                 "trace": dict(sessions=3, turns=3, concurrency=3, system_tokens=128, first_user_tokens=384,
-                              tokens_per_turn=32, output_tokens=16, agents=1, seed=0)},
+                              tokens_per_turn=32, output_tokens=16, agents=1, think_s=20.0, seed=0)},
     },
     "full": {
         "codec": {"samples": 8, "repeats": 15},
@@ -316,9 +316,13 @@ def e2e_section(result: Any) -> Section:
     section.notes.append(f"stock at its best: each budget ran stock as {' and '.join(ep.STOCK_VARIANTS)} "
                          f"(hit rate / total prefill), rows compare against the lower total prefill: {variants}")
     section.notes.append(f"engine: {result.engine} (both sides); every stack has its own lmcache server and vLLM, "
-                         "requests interleaved with the order rotating; budgets are bytes behind the same "
-                         f"{result.workload['replay_l1_mib']:.0f} MiB LMCache L1 on every stack (room for the largest request, "
-                         "not counted)")
+                         "requests interleaved with the order rotating; LMCache's L1 caches only what a budget gives "
+                         f"it (stock l1-all-dram: the DRAM budget) and keeps {result.workload['replay_l1_headroom_mib']:.0f} MiB "
+                         "free on every stack for the chunks of a request in flight (not counted); L1 stores dropped for "
+                         "want of room: " + "; ".join(
+                             f"{e['label']}: " + ", ".join(f"{k} {f.get('l1_allocation_failures', 0):.0f}"
+                                                           for k, f in e["figures"].items())
+                             for e in result.replay))
     return section
 
 
