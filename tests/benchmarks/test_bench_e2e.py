@@ -30,6 +30,7 @@ def test_three_stacks_serve_each_phase_from_where_it_claims(tmp_path) -> None:
     budget_bytes = (entry["budget"]["dram_mib"] + entry["budget"]["ssd_mib"]) * ep.MIB
     for key, figures in entry["figures"].items():
         assert figures["requests"] == result.workload["requests"] and figures["hit_tokens"] > 0, key
+        assert figures["l1_allocation_failures"] == 0, key  # no store dropped for want of L1 room
     assert entry["figures"]["ours"]["held_bytes"] <= budget_bytes
     assert entry["figures"]["l2-all"]["held_bytes"] <= budget_bytes * 1.05  # LMCache evicts after a store lands
     assert entry["prefill_ratio"]["pairs"] == result.workload["requests"]
