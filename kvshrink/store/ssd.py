@@ -221,9 +221,7 @@ class SsdTier(Tier):
             with self._lock:
                 self._reserved -= size
         with self._lock:
-            self._lru.add(key, size)
-            self._unverified.discard(key)
-            self._append_index(PUT, key, size)
+            self._record_put_locked(key, size)
         self.counters.add("puts")
         self.counters.add("put_bytes", size)
         return [self._collect_victim(v) for v in victims]
@@ -298,6 +296,19 @@ class SsdTier(Tier):
             self._index_incomplete = True
             log.warning("tier %s: index update failed (%s); reconcile will repair it", self.name, exc)
 
+    def _record_put_locked(self, key: bytes, size: int) -> None:
+        """A complete file of ``key`` is in place: index it (its file is seen, so verified)."""
+        self._lru.add(key, size)
+        self._unverified.discard(key)
+        self._append_index(PUT, key, size)
+
+    def _forget_locked(self, key: bytes) -> bool:
+        """Drop the entry of ``key`` (its file is gone or quarantined) and record it; whether there was one."""
+        if self._lru.pop(key) is None:
+            return False
+        self._append_index(DELETE, key, 0)
+        return True
+
     def _compact_locked(self) -> None:
         self._index.compact(self._lru.items())
 
@@ -327,8 +338,7 @@ class SsdTier(Tier):
             fd = os.open(self.path_for(key), os.O_RDONLY)
         except FileNotFoundError:
             with self._lock:  # deleted behind our back: forget it
-                if self._lru.pop(key) is not None:
-                    self._append_index(DELETE, key, 0)
+                self._forget_locked(key)
             return None
         except OSError as exc:
             self.counters.add("errors")
@@ -364,8 +374,7 @@ class SsdTier(Tier):
                 os.replace(path, self.quarantine_dir / f"{path.stem}.{time.time_ns()}{SUFFIX}")
             except FileNotFoundError:
                 pass
-            if self._lru.pop(key) is not None:
-                self._append_index(DELETE, key, 0)
+            self._forget_locked(key)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def delete(self, key: bytes) -> bool:
@@ -395,8 +404,7 @@ class SsdTier(Tier):
             if key in self._unverified:
                 self._unverified.discard(key)
                 if not self.path_for(key).exists():
-                    self._lru.pop(key)
-                    self._append_index(DELETE, key, 0)
+                    self._forget_locked(key)
                     return False
             return True
 
@@ -441,8 +449,7 @@ class SsdTier(Tier):
             if name not in on_disk:
                 with self._lock:
                     if self._lru.get(key) is not None and not self.path_for(key).exists():
-                        self._lru.pop(key)
-                        self._append_index(DELETE, key, 0)
+                        self._forget_locked(key)
                         changed += 1
         with self._lock:  # every entry named at the start was found on disk or dropped
             self._unverified.difference_update(by_name.values())
@@ -470,9 +477,7 @@ class SsdTier(Tier):
                 return 0
             if key in self._lru:
                 return 0
-            self._lru.add(key, stat.st_size)
-            self._unverified.discard(key)
-            self._append_index(PUT, key, stat.st_size)
+            self._record_put_locked(key, stat.st_size)
         return 1
 
     def _reconcile_quietly(self) -> None:
