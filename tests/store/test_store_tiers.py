@@ -12,8 +12,9 @@ import pytest
 
 from kvshrink.store.config import TierConfig
 from kvshrink.store.dram import DramTier, arena_path
-from kvshrink.store.redis_tier import RedisTier
+from kvshrink.store.redis_tier import RedisTier, connect
 from kvshrink.store.ssd import SsdTier
+from kvshrink.testing.polling import poll_until
 from tier_contract import TierContract, put
 
 MiB = 2**20
@@ -285,13 +286,21 @@ class TestSsdTier(TierContract):
 
 
 # -- Redis ----------------------------------------------------------------------------------------
-class TestRedisTier(TierContract):
+class RedisTierContract(TierContract):
+    """The contract against the Redis a subclass's ``server`` fixture gives (standalone or a
+    cluster, as ``cluster`` says); each test uses a namespace of its own."""
+
     bounded = False
+    cluster = False
 
     @pytest.fixture
-    def factory(self, shared_redis):
-        config = TierConfig(kind="redis", name="redis", capacity=0, compressed=True, url=shared_redis.url,
-                            namespace=f"test-{uuid.uuid4().hex[:8]}")
+    def server(self):
+        raise NotImplementedError
+
+    @pytest.fixture
+    def factory(self, server):
+        config = TierConfig(kind="redis", name="redis", capacity=0, compressed=True, url=server.url,
+                            cluster=self.cluster, namespace=f"test-{uuid.uuid4().hex[:8]}")
         factory = TierFactory(RedisTier, config)
         yield factory
         factory.close_all()
@@ -305,12 +314,11 @@ class TestRedisTier(TierContract):
         return factory.reopen
 
     @pytest.fixture
-    def corrupt(self, shared_redis):
-        import redis
-
-        client = redis.Redis.from_url(shared_redis.url)
+    def corrupt(self, factory):
+        clients = []
 
         def corrupt(tier: RedisTier, key: bytes, how: str) -> None:
+            clients.append(client := connect(tier.config))  # a client of its own, as another process would be
             name = tier._k(key)
             data = bytearray(client.get(name))
             if how == "flip":
@@ -320,7 +328,14 @@ class TestRedisTier(TierContract):
                 client.set(name, bytes(data[: len(data) * 2 // 3]))
 
         yield corrupt
-        client.close()
+        for client in clients:
+            client.close()
+
+
+class TestRedisTier(RedisTierContract):
+    @pytest.fixture
+    def server(self, shared_redis):
+        return shared_redis
 
     def test_ttl_expires_chunks(self, factory, small_chunks):
         import time
@@ -371,6 +386,149 @@ class TestRedisTier(TierContract):
         finally:
             redis_server.resume()
             tier.close()
+
+
+class TestRedisClusterTier(RedisTierContract):
+    """``cluster: true`` against a real 3-master Redis Cluster: every key lands on the master of
+    its hash slot, so batch reads, lookups and listing span all three."""
+
+    cluster = True
+
+    @pytest.fixture
+    def server(self, shared_redis_cluster):
+        return shared_redis_cluster
+
+    def test_batch_calls_span_every_master(self, make_tier, server, small_chunks):
+        tier = make_tier()
+        keys = [b"span-%d" % i for i in range(12)]
+        assert {server.node_for(tier._k(k)).port for k in keys} == {n.port for n in server.nodes}
+        for i, key in enumerate(keys):
+            put(tier, key, small_chunks[i % 4])
+        frames = tier.fetch_frames(keys + [b"absent"])
+        assert frames[-1] is None
+        assert all(np.array_equal(tier.decode_frame(k, f), small_chunks[i % 4])
+                   for i, (k, f) in enumerate(zip(keys, frames)))
+        assert tier.contains_many([b"absent", *keys]) == [False] + [True] * len(keys)
+        assert sorted(tier.keys()) == sorted(keys)
+
+    def test_a_dead_master_costs_only_its_slots_and_rejoins_with_its_data(self, redis_cluster, small_chunks):
+        """SIGKILL one of three masters: its keys are counted misses (each under 2 s with timeout_s
+        0.3 and 1 retry; a refused connection costs ~0.1 s) and its writes refused, while the
+        other two keep serving, also once the survivors flag it FAIL (the nodes run with
+        cluster-require-full-coverage no); restarted on its port, nodes.conf and append-only file,
+        it serves its slots and the chunks written before the crash again."""
+        import time
+
+        from kvshrink.errors import StoreUnavailableError
+
+        config = TierConfig(kind="redis", name="redis", capacity=0, compressed=True, url=redis_cluster.url,
+                            cluster=True, timeout_s=0.3, retries=1, namespace="fault")
+        tier = RedisTier(config)
+        try:
+            keys = [b"c%d" % i for i in range(24)]
+            chunk = {k: small_chunks[i % len(small_chunks)] for i, k in enumerate(keys)}
+            for key in keys:
+                put(tier, key, chunk[key])
+            victim = redis_cluster.node_for(tier._k(keys[0]))
+            lost = [k for k in keys if redis_cluster.node_for(tier._k(k)) is victim]
+            kept = [k for k in keys if k not in lost]
+            assert lost and len({redis_cluster.node_for(tier._k(k)).port for k in kept}) == 2
+
+            redis_cluster.kill(victim)
+            for flagged in (False, True):  # right after the crash, then once the survivors flag it FAIL
+                if flagged:
+                    redis_cluster.wait_marked_failed(victim, timeout=15)
+                for key in keys:
+                    start = time.monotonic()
+                    got = tier.get(key)
+                    elapsed = time.monotonic() - start
+                    if key in lost:
+                        assert got is None and elapsed < 2.0, (key, elapsed)
+                    else:
+                        assert np.array_equal(got, chunk[key]), key
+                frames = tier.fetch_frames(keys)
+                assert [f is not None for f in frames] == [k in kept for k in keys]
+                assert tier.contains_many(keys) == [k in kept for k in keys]
+            errors = tier.stats()["errors"]
+            with pytest.raises(StoreUnavailableError):
+                put(tier, lost[0], small_chunks[0])
+            assert tier.stats()["errors"] == errors + 1
+            put(tier, kept[0], small_chunks[1])  # the other masters still take writes
+            chunk[kept[0]] = small_chunks[1]
+            with pytest.raises(StoreUnavailableError):
+                tier.keys()  # a listing that would leave out a third of the keys is refused, not partial
+
+            redis_cluster.restart(victim)
+            poll_until(lambda: tier.get(lost[0]) is not None, 15, what="the restarted master to serve")
+            assert all(np.array_equal(tier.get(k), chunk[k]) for k in keys)
+            assert tier.contains_many(keys) == [True] * len(keys)
+            assert sorted(tier.keys()) == sorted(keys)
+            put(tier, lost[0], small_chunks[2])
+            assert np.array_equal(tier.get(lost[0]), small_chunks[2])
+        finally:
+            tier.close()
+
+    def test_a_hung_master_is_a_miss_within_the_timeout(self, redis_cluster, small_chunks):
+        """SIGSTOP one master (it accepts connections but never answers): its keys miss within
+        timeout_s 0.2 s and 1 retry, alone or inside a batch, and the other masters' keys hit."""
+        import time
+
+        config = TierConfig(kind="redis", name="redis", capacity=0, compressed=True, url=redis_cluster.url,
+                            cluster=True, timeout_s=0.2, retries=1, namespace="hung")
+        tier = RedisTier(config)
+        keys = [b"h%d" % i for i in range(12)]
+        victim = redis_cluster.node_for(tier._k(keys[0]))
+        kept = [redis_cluster.node_for(tier._k(k)) is not victim for k in keys]
+        try:
+            for i, key in enumerate(keys):
+                put(tier, key, small_chunks[i % 4])
+            victim.pause()
+            start = time.monotonic()
+            assert tier.get(keys[0]) is None
+            single = time.monotonic() - start
+            start = time.monotonic()
+            assert [f is not None for f in tier.fetch_frames(keys)] == kept
+            batch = time.monotonic() - start
+            assert single < 2.0 and batch < 2.0, f"a hung master cost {single:.2f} s, in a batch {batch:.2f} s"
+            assert np.array_equal(tier.get(keys[kept.index(True)]), small_chunks[kept.index(True) % 4])
+            victim.resume()
+            poll_until(lambda: tier.get(keys[0]) is not None, 15, what="the resumed master to serve")
+        finally:
+            victim.resume()
+            tier.close()
+
+    def test_a_cluster_down_is_an_outage_also_when_the_tier_opens(self, redis_cluster, small_chunks):
+        """All masters dead: redis-py's cluster client raises RedisClusterException (no RedisError)
+        once no node answers, and cannot even be made; reads still miss and writes raise
+        StoreUnavailableError, for a tier opened before the outage and one opened during it, and
+        both serve again once the cluster is back."""
+        from kvshrink.errors import StoreUnavailableError
+
+        config = TierConfig(kind="redis", name="redis", capacity=0, compressed=True, url=redis_cluster.url,
+                            cluster=True, timeout_s=0.3, retries=1, namespace="down")
+        before = RedisTier(config)
+        put(before, b"k", small_chunks[0])
+        redis_cluster.kill()
+        during = RedisTier(config)
+        try:
+            for tier in (before, during):
+                assert tier.get(b"k") is None and tier.fetch_frames([b"k", b"x"]) == [None, None]
+                assert tier.contains(b"k") is False and tier.contains_many([b"k"]) == [False]
+                assert tier.delete(b"k") is False
+                with pytest.raises(StoreUnavailableError):
+                    put(tier, b"new", small_chunks[1])
+                with pytest.raises(StoreUnavailableError):
+                    tier.keys()
+                assert tier.stats()["errors"] >= 7
+            redis_cluster.restart(*redis_cluster.nodes)
+            for tier in (before, during):
+                poll_until(lambda: tier.get(b"k") is not None, 15, what="the cluster to serve again")
+                assert np.array_equal(tier.get(b"k"), small_chunks[0])
+            put(during, b"new", small_chunks[1])
+            assert np.array_equal(before.get(b"new"), small_chunks[1]) and sorted(during.keys()) == [b"k", b"new"]
+        finally:
+            before.close()
+            during.close()
 
 
 def test_arena_path_stays_in_dev_shm():
