@@ -189,7 +189,8 @@ class Stack:
         self.arrangement: Arrangement | None = None
         self._starts = 0
 
-    def start_cache(self, arrangement: Arrangement) -> None:
+    def launch_cache(self, arrangement: Arrangement) -> None:
+        """Start the cache server with ``arrangement`` on this stack's port, without waiting."""
         from kvshrink.testing.launch import LMCacheServer
 
         self._starts += 1
@@ -199,7 +200,7 @@ class Stack:
                                     chunk_size=self.chunk_tokens, extra_args=arrangement.server_args(),
                                     log_path=self.server_log,
                                     env={"LMCACHE_LOG_LEVEL": "INFO"})
-        self.server.start()
+        self.server.launch()
         self.port = self.server.port
 
     def launch_vllm(self, model: Path) -> None:
@@ -219,23 +220,17 @@ class Stack:
         wait_for_engine(self.server.http_url)
         self.throwaway()
 
-    def reconfigure(self, arrangement: Arrangement, wipe: bool = True) -> None:
-        """Stop the cache server, remove its data (``wipe``) or only our DRAM arena, start it with
-        ``arrangement`` on the same port and wait until vLLM has registered again."""
-        from kvshrink.testing.mp_observe import RESTART_GAP_S, wait_for_engine
-
+    def stop_cache(self, wipe: bool) -> None:
+        """Stop the cache server; remove its data (``wipe``) or only our DRAM arena."""
         self.server.stop()
         self._drop_arena()
         if wipe and self.arrangement is not None and self.arrangement.disk is not None:
             shutil.rmtree(self.arrangement.disk, ignore_errors=True)
-        time.sleep(RESTART_GAP_S)  # vLLM re-registers only once its heartbeat has seen the server gone
-        self.start_cache(arrangement)
-        wait_for_engine(self.server.http_url)
-        self.throwaway()
 
     def throwaway(self) -> None:
-        """One never-seen prompt through the whole store path before anything is timed."""
-        prompt = np.random.default_rng(uuid.uuid4().int & 0xFFFFFFFF).integers(1000, 40000, 300).tolist()
+        """One never-seen chunk through the whole store path before anything is timed."""
+        tokens = self.chunk_tokens + 16
+        prompt = np.random.default_rng(uuid.uuid4().int & 0xFFFFFFFF).integers(1000, 40000, tokens).tolist()
         self.request(prompt)
         self.wait_idle()
 
@@ -309,11 +304,6 @@ class Stack:
         files = [p for p in disk.rglob("*") if p.is_file()] if disk and disk.exists() else []
         return {"chunks": float(len(files)), "bytes": float(sum(p.stat().st_size for p in files))}
 
-    def restart_keep_disk(self) -> None:
-        """A cache-server restart that keeps the SSD / files but not our shared-memory DRAM tier."""
-        assert self.arrangement is not None
-        self.reconfigure(self.arrangement, wipe=False)
-
     def _drop_arena(self) -> None:
         Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
 
@@ -323,6 +313,26 @@ class Stack:
                 with contextlib.suppress(Exception):
                     proc.stop()
         self._drop_arena()
+
+
+def reconfigure(stacks: Sequence[Stack], arrangements: Sequence[Arrangement], wipe: bool = True) -> None:
+    """Restart every stack's cache server at once with its new arrangement, on the same port, and
+    wait until each vLLM has registered again; then one throwaway request each. ``wipe`` removes
+    the old data, else only our DRAM arena goes (a restart). Together, so the stacks share one
+    restart gap and one settling time instead of paying each in turn."""
+    from kvshrink.testing.mp_observe import RESTART_GAP_S, wait_for_engine
+
+    for stack in stacks:
+        stack.stop_cache(wipe)
+    time.sleep(RESTART_GAP_S)  # vLLM re-registers only once its heartbeat has seen the server gone
+    for stack, arrangement in zip(stacks, arrangements, strict=True):
+        stack.launch_cache(arrangement)
+    for stack in stacks:
+        stack.server.wait_healthy()
+        wait_for_engine(stack.server.http_url, settle_s=0)
+    time.sleep(RESTART_GAP_S)  # every connector's heartbeat sees its server healthy again
+    for stack in stacks:
+        stack.throwaway()
 
 
 def rotated(stacks: Sequence[Stack], step: int) -> list[Stack]:
@@ -442,7 +452,8 @@ class PairedBench:
         self.log_dir = Path(log_dir or self.root / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
-        keys = [(v, STOCK) for v in settings.stock_variants] + [("ours", OURS)]
+        variants = settings.stock_variants if settings.fractions else settings.stock_variants[:1]  # no replay: the hot pair
+        keys = [(v, STOCK) for v in variants] + [("ours", OURS)]
         self.stacks = [Stack(k, side, self.root, self.log_dir, settings.chunk_tokens) for k, side in keys]
         self._launched = False
 
@@ -457,7 +468,9 @@ class PairedBench:
         """Start every cache server and every vLLM without waiting for vLLM (a minute or more)."""
         if not self._launched:
             for stack in self.stacks:
-                stack.start_cache(self.hot(stack))
+                stack.launch_cache(self.hot(stack))
+            for stack in self.stacks:
+                stack.server.wait_healthy()
             for stack in self.stacks:
                 stack.launch_vllm(self.model)
             self._launched = True
@@ -538,8 +551,7 @@ class PairedBench:
         """Both cache servers restarted (ours without its DRAM arena), the hot prompt again."""
         self.progress("restart")
         pair = self._pair()
-        for s in pair:
-            s.restart_keep_disk()
+        reconfigure(pair, [s.arrangement for s in pair], wipe=False)  # keeps the SSD / files, not our DRAM arena
         after = {}
         for s in pair:
             after[s.key] = s.request(prompt)
@@ -550,9 +562,8 @@ class PairedBench:
                                   "over_cold": after[s.key].ttft_s / cold[s.key]["ttft_s"]} for s in pair}}
 
     def replay(self, requests: Sequence[Any], budget: Budget, headroom_mib: float) -> dict[str, Any]:
-        for stack in self.stacks:
-            stack.reconfigure(replay_arrangement(stack.key, budget, headroom_mib, stack.workdir, stack.shm_name,
-                                                 self.template))
+        reconfigure(self.stacks, [replay_arrangement(s.key, budget, headroom_mib, s.workdir, s.shm_name, self.template)
+                                  for s in self.stacks])
         samples: dict[str, list[Sample]] = {s.key: [] for s in self.stacks}
         need = largest_request_bytes(requests)
         for i, r in enumerate(requests):

@@ -185,9 +185,17 @@ class LMCacheServer(ManagedProcess):
         return f"http://{LOOPBACK}:{self.http_port}"
 
     def start(self, timeout: float = 120.0) -> "LMCacheServer":
-        super().start()
-        self.wait_until(lambda: _http_ok(f"{self.http_url}/healthcheck"), timeout, "healthy")
+        self.launch()
+        self.wait_healthy(timeout)
         return self
+
+    def launch(self) -> "LMCacheServer":
+        """Start the process without waiting, so that several servers can start at once."""
+        super().start()
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        self.wait_until(lambda: _http_ok(f"{self.http_url}/healthcheck"), timeout, "healthy")
 
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.http_url}/status", timeout=10.0).json()

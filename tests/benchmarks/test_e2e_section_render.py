@@ -32,7 +32,7 @@ def test_rows_targets_and_notes_come_from_the_run(result: ep.PairedResult) -> No
         by_section.setdefault(row.section, []).append(row)
         assert row.stock_policy["name"] and row.ours_policy["name"]
     assert {r.metric for r in by_section["e2e agent replay"]} == {"hit_rate", "prefill_s", "ttft_p50_s", "ttft_p90_s",
-                                                                  "held_bytes"}
+                                                                  "held_chunks"}
     hot = {r.metric: r for r in by_section["e2e hot path"]}
     assert set(hot) == {"warm_l1_ttft_s", "warm_l2_ttft_s", "after_restart_ttft_s", "after_restart_over_cold"}
     entry = result.replay[0]
@@ -40,6 +40,8 @@ def test_rows_targets_and_notes_come_from_the_run(result: ep.PairedResult) -> No
     replay_rows = {r.metric: r for r in by_section["e2e agent replay"]}
     assert replay_rows["hit_rate"].stock == entry["figures"][best]["hit_rate"]
     assert best in replay_rows["hit_rate"].stock_policy["name"]
+    held = replay_rows["held_chunks"]  # KV kept in the same budget: more is better
+    assert held.higher_is_better and held.ours == entry["figures"]["ours"]["held_chunks"]
     replay_targets = [t for name, t in section.targets.items() if name.startswith("agent replay at")]
     assert len(replay_targets) == 1 and not replay_targets[0]["pass"]  # the stored run was inconclusive
     assert "inconclusive" in replay_targets[0]["detail"]
@@ -60,3 +62,12 @@ def test_table_plot_and_readme_render(result: ep.PairedResult, tmp_path: Path) -
     assert (tmp_path / run["plots"]["e2e"]).stat().st_size > 10_000
     readme = report.readme_section(run)
     assert "](agent_replay_e2e.png)" in readme and "e2e agent replay" in readme
+
+
+def test_a_run_without_agent_replay_sets_no_replay_target(result: ep.PairedResult) -> None:
+    result.replay = []  # what --quick runs
+    section = e2e_section(result)
+    assert not [r for r in section.comparisons if r.section == "e2e agent replay"]
+    assert not [name for name in section.targets if name.startswith("agent replay")]
+    assert any(note.startswith("no agent replay in this mode") for note in section.notes)
+    assert {r.metric for r in section.comparisons} >= {"warm_l1_ttft_s", "warm_l2_ttft_s"}  # the hot path stays
