@@ -13,7 +13,7 @@ unambiguous. The two prefixes keep the runtimes' keys apart when they share one 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvshrink.errors import CorruptDataError
 
@@ -39,12 +39,26 @@ def decode_object_key(data: bytes) -> "ObjectKey":
     """Inverse of :func:`encode_object_key`; :class:`CorruptDataError` for anything else."""
     from lmcache.v1.distributed.api import ObjectKey
 
+    fields = wire_object_key(data)
+    try:
+        return ObjectKey(chunk_hash=bytes.fromhex(fields["chunk_hash_hex"]), model_name=fields["model_name"],
+                         kv_rank=fields["kv_rank"], object_group_id=fields["object_group_id"],
+                         cache_salt=fields["cache_salt"])
+    except ValueError as exc:
+        raise CorruptDataError(f"not an encoded ObjectKey: {data[:80]!r} ({exc})") from exc
+
+
+def wire_object_key(data: bytes) -> dict[str, Any]:
+    """The fields of LMCache's ``EncodedObjectKey`` (what its cache events carry) for a store key
+    made by :func:`encode_object_key`, without importing LMCache; :class:`CorruptDataError` for
+    anything else."""
     parts = _split(data, OBJECT_KEY_PREFIX)
     if len(parts) not in (4, 5):
         raise CorruptDataError(f"not an encoded ObjectKey: {data[:80]!r}")
     try:
-        return ObjectKey(chunk_hash=bytes.fromhex(parts[3]), model_name=parts[0], kv_rank=int(parts[1], 16),
-                         object_group_id=int(parts[2], 16), cache_salt=parts[4] if len(parts) == 5 else "")
+        bytes.fromhex(parts[3])
+        return {"chunk_hash_hex": parts[3], "model_name": parts[0], "kv_rank": int(parts[1], 16),
+                "object_group_id": int(parts[2], 16), "cache_salt": parts[4] if len(parts) == 5 else ""}
     except ValueError as exc:
         raise CorruptDataError(f"not an encoded ObjectKey: {data[:80]!r} ({exc})") from exc
 

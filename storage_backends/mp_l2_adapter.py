@@ -8,8 +8,13 @@ Load it into ``lmcache server``::
 
 (or ``kvshrink serve-cache --config ...``, which builds that line from one YAML file).
 ``adapter_params``: ``config`` (path to a store YAML) or ``store`` (the same mapping inline), and
-optionally ``workers`` (threads that run submitted tasks, default 4). LMCache finds
-:class:`KVShrinkL2AdapterConfig` by name and validates the parameters before the server starts.
+optionally ``workers`` (threads that run submitted tasks, default 4). Reporting to the KVShrink
+index where each chunk lives (off by default; see :mod:`~kvshrink.storage_backends.tier_reporter`):
+``index_url`` (the index's base URL, ``http://host:8200``), ``index_instance_id`` (required with it:
+the instance id or alias the index knows this server's engine by), ``index_flush_interval``
+(seconds between reports, default 0.5) and ``index_max_pending`` (chunks waiting to be looked at,
+default 65536). LMCache finds :class:`KVShrinkL2AdapterConfig` by name and validates the
+parameters before the server starts.
 
 Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
 
@@ -34,6 +39,11 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
   key the store already holds (left by an earlier server process) announces it without
   rewriting it. Notifiers run on whichever thread saw the change (LMCache's caller, a task
   thread, a store worker); LMCache's listeners and event bus are thread-safe.
+* With ``index_url`` set, a :class:`~kvshrink.storage_backends.tier_reporter.TierReporter` hears
+  the store's placement notices (and, for keys the store already held, the store task's) and
+  LMCache's token bindings, and reports each chunk's medium to the index from its own thread:
+  nothing on LMCache's threads waits for the index. Its counters are the ``index_reporter``
+  section of ``report_status``.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from kvshrink.storage_backends.keys import decode_object_key, encode_object_key,
 from kvshrink.storage_backends.memory_objs import chunk_tensor
 from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config, open_store, warm_codec
 from kvshrink.storage_backends.task_channels import L2TaskRunner, when_all_done
+from kvshrink.storage_backends.tier_reporter import (REPORTER_KEYS, ReporterSettings, TierReporter, media_of,
+                                                     subscribe_tokens)
 
 if TYPE_CHECKING:
     from lmcache.lmcache_native import Bitmap
@@ -65,17 +77,19 @@ log = logging.getLogger(__name__)
 
 PARAMS_PREFIX = "adapter_params."
 DEFAULT_WORKERS = 4
-_ALLOWED_PARAMS = {"config", "store", "workers"}
+_ALLOWED_PARAMS = {"config", "store", "workers", *REPORTER_KEYS}
 
 
 class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
-    """Validated ``adapter_params``: where the store config comes from, and worker threads."""
+    """Validated ``adapter_params``: where the store config comes from, worker threads, and
+    which index to report tiers to (None: none)."""
 
     def __init__(self, store_source: "str | Mapping[str, Any]", store_config: "StoreConfig",
-                 workers: int = DEFAULT_WORKERS) -> None:
+                 workers: int = DEFAULT_WORKERS, reporter: ReporterSettings | None = None) -> None:
         self.store_source = store_source
         self.store_config = store_config
         self.workers = workers
+        self.reporter = reporter
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "KVShrinkL2AdapterConfig":
@@ -94,14 +108,19 @@ class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
             source = d["store"]
             store_config = load_store_config(source, f"{PARAMS_PREFIX}store.", f"{PARAMS_PREFIX}store")
         workers = workers_value(d.get("workers", DEFAULT_WORKERS), f"{PARAMS_PREFIX}workers")
-        return cls(source, store_config, workers)
+        return cls(source, store_config, workers, ReporterSettings.from_params(d, PARAMS_PREFIX))
 
     @classmethod
     def help(cls) -> str:
         return ("KVShrink L2 adapter params:\n"
                 "- config (str): path to a KVShrink store YAML (tiers: dram / ssd / redis), or\n"
                 "- store (dict): the same mapping inline\n"
-                "- workers (int): threads running submitted tasks (default 4)")
+                "- workers (int): threads running submitted tasks (default 4)\n"
+                "- index_url (str): report each chunk's tier to this KVShrink index (default: off)\n"
+                "- index_instance_id (str): the id the index knows this server's engine by (with index_url)\n"
+                "- index_flush_interval (float): seconds between tier reports (default 0.5)\n"
+                "- index_max_pending (int): chunks waiting to be reported before notices are dropped "
+                "(default 65536)")
 
 
 class KVShrinkL2Adapter(L2AdapterInterface):
@@ -121,10 +140,16 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         except ConfigError:
             log.error("KVShrinkL2Adapter: cannot open the store from %r", config.store_source)
             raise
+        self._reporter: TierReporter | None = None
         try:
             warm_codec(config.store_config)
+            if config.reporter is not None:
+                self._reporter = TierReporter(config.reporter, self._store.where, media_of(config.store_config))
+                subscribe_tokens(self._event_bus, self._reporter)
             self._runner = L2TaskRunner("kvshrink-l2", config.workers)
         except BaseException:
+            if self._reporter is not None:
+                self._reporter.close(0.0)
             self._store.close()  # release the SSD directory lock and the arena for the next attempt
             raise
         # store key -> (LMCache key, raw bytes) of every chunk LMCache was told is stored and not
@@ -134,6 +159,8 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         self._report_errors: Counter[str] = Counter()  # notifier failures on the lookup / load paths
         self._closed = False
         self._store.add_drop_listener(self._announce_gone)
+        if self._reporter is not None:
+            self._store.add_placement_listener(self._reporter.notify)
         log.info("KVShrinkL2Adapter ready: tiers %s", [t.name for t in config.store_config.tiers])
 
     # -- event fds ------------------------------------------------------------------------------
@@ -166,6 +193,9 @@ class KVShrinkL2Adapter(L2AdapterInterface):
                 present.append((key, store_key, obj.get_size()))  # not rewritten (as LMCache's fs adapter)
                 continue
             started.append((key, store_key, obj.get_size(), self._store.put(store_key, chunk_tensor(obj))))
+
+        if present and self._reporter is not None:  # held already (an earlier process): no placement notice
+            self._reporter.notify([skey for _, skey, _ in present])
 
         def settle(_: Any) -> L2StoreResult:
             stored = [(key, skey, size) for key, skey, size, fut in started if _put_succeeded(fut)]
@@ -329,6 +359,8 @@ class KVShrinkL2Adapter(L2AdapterInterface):
                                   "boundary_errors": {**self._runner.errors(), **report_errors}}
         if healthy:
             status["store"] = self._store.stats()
+        if self._reporter is not None:
+            status["index_reporter"] = self._reporter.stats()
         if any(t.compressed and t.method == "qat" for t in self._config.store_config.tiers):
             from kvshrink.codec import qat_status
 
@@ -345,6 +377,8 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         self._closed = True
         try:
             self._runner.close()
+            if self._reporter is not None:
+                self._reporter.close()  # before the store closes: the reporter thread reads it
         finally:
             self._store.close()
         log.info("KVShrinkL2Adapter closed")

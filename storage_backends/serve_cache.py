@@ -6,7 +6,8 @@ The file has three sections::
 
     server:   {host, port, http_host, http_port, prometheus_port, l1_size_gb, chunk_size,
                supported_transfer_mode, extra_args}                   # `lmcache server` flags
-    adapter:  {workers}                                               # optional
+    adapter:  {workers, index_url, index_instance_id, index_flush_interval, index_max_pending}
+                                               # optional; index_*: report tiers to the index
     store:    {tiers: [...], engine: {...}}   # a store mapping, or the path of a store YAML
 
 Everything is validated here first (``ConfigError`` names the key, e.g. ``store.tiers[1].path``;
@@ -43,7 +44,6 @@ ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 ADAPTER_CLASS = "KVShrinkL2Adapter"
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")  # lmcache server's choices
 _SECTIONS = {"server", "adapter", "store"}
-_ADAPTER_KEYS = {"workers"}
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -138,6 +138,7 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
     (directories, /dev/shm, Redis), reading only."""
     from kvshrink.configs import default_store_path
     from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config, preflight
+    from kvshrink.storage_backends.tier_reporter import REPORTER_KEYS, ReporterSettings
 
     if path is None:  # no file: the server defaults and the shipped default store
         path, data = default_store_path(), {"store": str(default_store_path())}
@@ -146,7 +147,7 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
         data = load_yaml(path, "--config")
     reject_unknown(data, _SECTIONS)
     server = ServerFlags.from_section(mapping_value(data.get("server"), "server"))
-    adapter = mapping_value(data.get("adapter"), "adapter", _ADAPTER_KEYS)
+    adapter = mapping_value(data.get("adapter"), "adapter", {"workers", *REPORTER_KEYS})
     if "store" not in data:
         raise ConfigError("store", "required: the store tiers (a mapping) or the path of a store YAML")
     source = data["store"]
@@ -161,6 +162,8 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
         params = {"store": source}
     if "workers" in adapter:
         params["workers"] = workers_value(adapter["workers"], "adapter.workers")
+    if ReporterSettings.from_params(adapter, "adapter.") is not None:  # validated here, passed on as written
+        params.update({key: adapter[key] for key in REPORTER_KEYS if key in adapter})
     if check_services:
         preflight(store, prefix)
     return ServeCacheConfig(store=store, adapter_params=params, server=server)

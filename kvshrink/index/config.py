@@ -73,8 +73,10 @@ class IndexConfig:
         "gpu": "gpu", "cpu": "dram", "storage": "ssd", "disk": "ssd", "remote": "remote"})
     lmcache_tiers: dict[str, str] = field(default_factory=lambda: {
         "l1/dram": "dram", "l1/devdax": "dram", "l1/cxl": "dram", "l1/gds": "ssd", "l2/fs": "ssd",
-        # "plugin" is how LMCache names any plugin L2 adapter, KVShrink's (a DRAM + SSD store) among them
-        "l2/nixl_disk": "ssd", "l2/plugin": "ssd", "l2/*": "remote"})
+        # "plugin" is how LMCache names any plugin L2 adapter, whose medium it cannot know: counted as
+        # the slowest, so that the medium KVShrink's adapter reports for the same chunk in its own
+        # batches (``medium``, see tier_events) always decides, as a block counts on its fastest tier
+        "l2/nixl_disk": "ssd", "l2/plugin": "remote", "l2/*": "remote"})
     tokenizers: dict[str, str] = field(default_factory=dict)
     instances: list[InstanceConfig] = field(default_factory=list)
 

@@ -4,7 +4,10 @@ Push API: ``POST /events`` on the index, body JSON (``Content-Type: application/
 (``application/msgpack``), the shape LMCache 0.5.6's ``HttpCacheEventSink`` already sends
 (``lmcache.v1.mp_coordinator.api.CacheEventBatch``), so an LMCache MP server started with
 ``--coordinator-url http://127.0.0.1:<index port> --coordinator-event-reporting`` reports to us
-unchanged. Our adapter sends the same shape::
+unchanged. Our MP L2 adapter (``adapter_params.index_url``, see
+``kvshrink.storage_backends.tier_reporter``) sends the same shape on a stream of its own, with
+``tier: "l2"``, ``backend: "kvshrink"`` and ``medium`` always set: where each chunk lives in our
+store, updated on every store, demotion, promotion and drop::
 
     {"batches": [{
         "instance_id": "lmcache-a",   # emitter id: a registered instance id or one of its aliases
@@ -12,7 +15,7 @@ unchanged. Our adapter sends the same shape::
         "seq": 1,                     # per (instance_id, incarnation), from 1, +1 per batch
         "event_type": "store",        # store | delete | access | config (config is ignored)
         "tier": "l1",                 # l1 | l2
-        "backend": "dram",            # l1: dram/devdax/gds...; l2: adapter type (fs, kvshrink_ssd, redis...)
+        "backend": "dram",            # l1: dram/devdax/gds...; l2: adapter type (fs, plugin, kvshrink...)
         "medium": null,               # kvshrink extension: gpu|dram|ssd|remote overrides the tier map
         "shared": false, "ts": 0.0,
         "entries": [{

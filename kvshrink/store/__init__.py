@@ -10,9 +10,9 @@ Usage::
 Module map: ``config`` (YAML -> dataclasses), ``tier_base`` (the tier contract), ``arena`` +
 ``dram`` (+ ``shm_file``), ``ssd`` + ``ssd_index``, ``redis_tier``, ``tier_codecs`` (which codec
 method and level each tier uses), ``copy_engine`` (staging buffers and bounded worker lanes),
-``tiered`` (TieredStore) with ``ledger`` (copies in flight) and ``drops`` (drop listeners), ``stats``
-(counters, Prometheus). ``tiered`` is the top: no other module here imports it
-(docs/architecture.md).
+``tiered`` (TieredStore) with ``ledger`` (copies in flight), ``drops`` (drop listeners) and
+``placements`` (placement notices), ``stats`` (counters, Prometheus). ``tiered`` is the top: no
+other module here imports it (docs/architecture.md).
 """
 
 from kvshrink.store.config import EngineConfig, StoreConfig, TierConfig

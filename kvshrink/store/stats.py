@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 TIER_COUNTERS = ("hits", "misses", "puts", "put_bytes", "errors", "quarantined", "evictions", "demotions")
 ENGINE_COUNTERS = ("puts", "dropped_queue_full", "dropped_staging_full", "put_errors",
                    "background_jobs", "background_dropped", "background_errors", "promotions",
-                   "keys_dropped", "drop_listener_errors")
+                   "keys_dropped", "drop_listener_errors", "placement_listener_errors")
 
 
 class Counters:

@@ -21,6 +21,8 @@
   a chunk's dtype and shape before the caller allocates.
 * ``add_drop_listener`` tells an owner (an LMCache adapter mirroring the store's contents) which
   keys left the store on the store's own initiative; see :class:`~kvshrink.store.drops.DropListeners`.
+  ``add_placement_listener`` tells one which keys may have changed tier (written into one, evicted,
+  deleted, dropped), to ask ``where`` again; see :mod:`~kvshrink.store.placements`.
 
 Buffers: ``put`` copies the caller's chunk into a staging buffer and never modifies it; reads
 write only into the ``out`` buffers given. Errors: the KVShrinkError family only; reads never
@@ -48,6 +50,7 @@ from kvshrink.store.config import StoreConfig, TierConfig
 from kvshrink.store.copy_engine import CopyEngine
 from kvshrink.store.drops import DROP_COUNTERS, RECENT_DROPS, DropListener, DropListeners  # noqa: F401 (re-exported)
 from kvshrink.store.ledger import PUMP_RETRY_S, CopyLedger, Move, Parked  # noqa: F401 (re-exported)
+from kvshrink.store.placements import PlacementListener, PlacementListeners
 from kvshrink.store.tier_base import Tier, check_key
 from kvshrink.store import tier_codecs
 
@@ -104,6 +107,7 @@ class TieredStore:
         self._ledger = CopyLedger(self._remote)
         self.engine = CopyEngine(config.engine)
         self._drops = DropListeners()
+        self._placements = PlacementListeners()
         self._closed = False
 
     @classmethod
@@ -222,6 +226,7 @@ class TieredStore:
                 with self._superseding(key, index):
                     self._retire_older_copies(key, index)
         self._drops.stored(key)
+        self._placements.notify([key, *(v.key for v in victims)])
         if last:
             lost += [v.key for v in victims]
             return True
@@ -392,6 +397,7 @@ class TieredStore:
         with no store lock held: listeners run on this thread."""
         if not candidates:
             return
+        self._placements.notify(candidates)
         gone, unsure = [], []
         for key in dict.fromkeys(candidates):
             if self._held_here(key):
@@ -671,6 +677,7 @@ class TieredStore:
         for index in self._remote:
             if held[index]:
                 self._ledger.unhide(index, [key])
+        self._placements.notify([key])
         return parked or any(held)
 
     def keys(self, tier: str | None = None) -> list[bytes]:
@@ -700,12 +707,21 @@ class TieredStore:
     def remove_drop_listener(self, listener: DropListener) -> None:
         self._drops.remove(listener)
 
+    def add_placement_listener(self, listener: PlacementListener) -> None:
+        """Call ``listener(keys)`` with keys whose tiers may have changed (a hint to ask ``where``
+        again); it runs on store threads, maybe under a tier's lock: it must only enqueue them."""
+        self._placements.add(listener)
+
+    def remove_placement_listener(self, listener: PlacementListener) -> None:
+        self._placements.remove(listener)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters per tier and for the copy engine (see stats.StoreCollector for Prometheus)."""
         with self._lock:
             pinned = len(self._pins)
-        engine = {**self.engine.stats(), **self._drops.counters.snapshot(), "pinned": pinned}
+        engine = {**self.engine.stats(), **self._drops.counters.snapshot(), **self._placements.counters.snapshot(),
+                  "pinned": pinned}
         return {"tiers": {t.name: t.stats() for t in self.tiers}, "engine": engine}
 
     def flush(self, timeout: float | None = None) -> None:

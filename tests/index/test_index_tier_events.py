@@ -141,3 +141,16 @@ def test_lmcache_registrar_and_events_land_on_the_aliased_instance(start_index, 
     assert [i["id"] for i in http.get(f"{server.url}/instances").json()] == ["A"]  # no duplicate instance
     lm.sink(server.url).publish([lm.batch("store", [0], instance="lm-a")])
     assert _matched(http, server)["A"] == (256, {"gpu": 0, "dram": 256, "ssd": 0, "remote": 0})
+
+
+def test_a_plugin_adapter_counts_as_remote_until_our_adapter_reports_the_medium(start_index, http, lm):
+    """LMCache cannot tell a plugin L2 adapter's medium; KVShrink's adapter reports it on a stream of
+    its own (another emitter of the same instance), and a block counts on its fastest tier."""
+    server = start_index(make_config(zmq=False, instances=[{"id": "a", "models": [MODEL], "aliases": ["lm-a"]}]))
+    lm.sink(server.url).publish([lm.batch("store", [0], tier="l2", backend="plugin")])
+    assert _matched(http, server)["a"] == (256, {"gpu": 0, "dram": 0, "ssd": 0, "remote": 256})
+    key = {"chunk_hash_hex": f"{0:032x}", "model_name": MODEL}
+    ours = {"instance_id": "a", "incarnation": 1, "seq": 1, "event_type": "store", "tier": "l2", "backend": "kvshrink",
+            "medium": "dram", "entries": [{"key": key, "token_ids": PROMPT[:CHUNK], "token_offset": 0}]}
+    assert http.post(f"{server.url}/events", json={"batches": [ours]}).json()["entries"] == 1
+    assert _matched(http, server)["a"] == (256, {"gpu": 0, "dram": 256, "ssd": 0, "remote": 0})

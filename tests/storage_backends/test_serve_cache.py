@@ -105,6 +105,7 @@ def test_shipped_alternatives_cover_redis_and_qat():
     (lambda d: d["store"]["tiers"][1].update(level=12, method="qat"), "store.tiers[1].level"),
     (lambda d: d["store"]["tiers"][1].update(level=0), "store.tiers[1].level"),
     (lambda d: d["adapter"].update(workers=0), "adapter.workers"),
+    (lambda d: d["adapter"].update(index_url="http://127.0.0.1:8200"), "adapter.index_instance_id"),
     (lambda d: d["store"]["tiers"][1].update(capacity="a lot"), "store.tiers[1].capacity"),
     (lambda d: d["store"]["tiers"][1].update(method="lzma"), "store.tiers[1].method"),
     (lambda d: d.pop("store"), "store"),
@@ -117,6 +118,19 @@ def test_bad_files_exit_2_naming_the_key(tmp_path, shm_name, capsys, edit, key):
     assert info.value.key == key, str(info.value)
     assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 2
     assert f"'{key}'" in capsys.readouterr().err
+
+
+def test_index_reporting_settings_reach_the_adapter_as_written(tmp_path, shm_name):
+    from kvshrink.storage_backends.tier_reporter import ReporterSettings
+
+    index = {"index_url": "http://127.0.0.1:8200", "index_instance_id": "engine-a", "index_flush_interval": 0.2}
+    config = load_serve_config(private_config(tmp_path, shm_name, lambda d: d["adapter"].update(index)),
+                               check_services=False)
+    assert {key: config.adapter_params[key] for key in index} == index
+    parsed = KVShrinkL2AdapterConfig.from_dict(json.loads(json.dumps(config.adapter_params)))
+    assert parsed.reporter == ReporterSettings("http://127.0.0.1:8200", "engine-a", 0.2)
+    assert load_serve_config(private_config(tmp_path, shm_name), check_services=False).adapter_params.keys() == \
+        {"store", "workers"}  # off unless asked for
 
 
 def test_bad_yaml_names_the_file_and_line(tmp_path, capsys):
