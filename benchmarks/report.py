@@ -293,7 +293,7 @@ def _plot_throughput(figures: Mapping[str, Any], path: Path) -> None:
     for ax, metric in zip(axes, ("store_gbps", "load_gbps")):
         for j, (side, color) in enumerate(((STOCK, "tab:blue"), (OURS, "tab:red"))):
             ax.bar(x + (j - 0.5) * 0.38, [c[side][metric] for c in cases], 0.38, color=color, label=side)
-        ax.set_xticks(x, [c["case"] for c in cases], fontsize=8)
+        ax.set_xticks(x, [c.get("short", c["case"]) for c in cases], fontsize=8, rotation=20, ha="right")
         ax.set(ylabel="GB/s of KV", title=f"L2 adapter {metric.split('_')[0]}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)

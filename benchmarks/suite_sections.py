@@ -24,7 +24,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "capacity": {"trace": dict(sessions=16, turns=6, concurrency=12, system_tokens=1500, tokens_per_turn=200,
                                    output_tokens=50, seed=0),
                      "fractions": (0.4, 0.55), "dram_share": 0.25, "full_verify": False},
-        "throughput": {"keys_per_submit": 4, "rounds": 2, "threads": (1, 2)},
+        "throughput": {"keys_per_submit": 4, "rounds": 2, "threads": (1, 2), "link_mbit": (1000,)},
         # the hot path and restart on a 512-token prompt, no agent replay: vLLM CPU prefills ~28 ms a
         # token on 2 AVX2 cores, and the last quick replay (8 requests, one 15 MiB budget) took 5.5 of
         # its 15 minutes and was too small to show anything (stock 37.0 %, ours 33.9 % hit); the full
@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "capacity": {"trace": dict(sessions=32, turns=8, concurrency=16, system_tokens=3000, tokens_per_turn=300,
                                    output_tokens=80, seed=0),
                      "fractions": (0.25, 0.4, 0.55, 0.7), "dram_share": 0.25, "full_verify": True},
-        "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2)},
+        "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2), "link_mbit": (1000, 10000)},
         "e2e": {"hot_pairs": 12},  # the trace and budgets: e2e_paired.PairedSettings
     },
 }
@@ -258,12 +258,43 @@ def throughput(ctx: Context) -> Section:
     if ssd:
         ratio = ssd[0][OURS]["bytes_per_token_on_disk"] / ssd[0][STOCK]["bytes_per_token_on_disk"]
         section.target("bytes written per cached token <= 1/1.45 of stock", ratio <= 1 / 1.45, f"{ratio:.3f} of stock")
+    _remote_rows(section, ctx, pool, settings)
     section.notes.append("stock = LMCache's fs adapter (on /dev/shm for dram, a local directory for ssd); ours = the "
                          "store config as shipped, sized so that one tier serves: dram with room for every chunk in "
                          "DRAM, ssd with a DRAM tier of one chunk, so every store passes through DRAM to the SSD tier "
                          "and loads come from it (our SSD tier fsyncs every chunk, stock fs does not); SSD loads "
                          "follow the stores, so both read from the page cache")
     return section
+
+
+def _remote_rows(section: Section, ctx: Context, pool: Any, settings: Any) -> None:
+    """Redis across a shaped link (``remote_link``): labelled rows, ours on the remote store's Redis tier."""
+    from kvshrink.benchmarks import remote_link as rl
+
+    threads = max(ctx.preset("throughput")["threads"])
+    for rate in ctx.preset("throughput")["link_mbit"]:
+        try:
+            with rl.limited_link(rate) as link:
+                runs = {side: rl.run_side(side, link, pool, threads, settings) for side in (STOCK, OURS)}
+        except rl.LinkUnavailable as exc:
+            section.notes.append(f"remote tier over a shaped link: skipped ({exc})")
+            return
+        case = f"redis over {rate / 1000:g} Gbit/s, {threads} threads (ours: {rl.REMOTE_STORE}'s Redis tier)"
+        section.comparisons += compare("L2 throughput", case, runs[STOCK], runs[OURS], [
+            Metric("store_gbps", "GB/s"), Metric("load_gbps", "GB/s"),
+            Metric("bytes_in_redis_per_token", "B/token", higher_is_better=False)])
+        section.figures["cases"].append({"case": case, "short": f"redis, {rate / 1000:g} Gbit/s link",
+                                         STOCK: runs[STOCK].figures, OURS: runs[OURS].figures})
+        if rate == 1000:
+            o, s = runs[OURS].figures, runs[STOCK].figures
+            load, held = o["load_gbps"] / s["load_gbps"], o["bytes_in_redis_per_token"] / s["bytes_in_redis_per_token"]
+            section.target(f"remote tier at 1 Gbit/s: load GB/s >= {rl.LOAD_TARGET}x stock's RESP adapter and bytes "
+                           f"in Redis <= {rl.BYTES_TARGET}x", load >= rl.LOAD_TARGET and held <= rl.BYTES_TARGET,
+                           f"load {load:.2f}x, bytes {held:.3f}x")
+    section.notes.append("remote rows: redis-server in a network namespace of its own behind a veth pair shaped each "
+                         "way by a tc token bucket (both sides alike, a fresh server each); stock = LMCache's RESP "
+                         f"adapter (native connector, 8 workers); ours = our adapter over the Redis tier of "
+                         f"{rl.REMOTE_STORE} alone, so every store and load crosses the link")
 
 
 # -- 4. end to end ----------------------------------------------------------------------------------

@@ -564,7 +564,10 @@ class TieredStore:
         return (i, None, None) if found is None else (i, *found)
 
     def _read_remote(self, keys: list[bytes], outs: list[Any], indices: list[int]):
-        """Keys no local tier holds: one batched fetch per batch tier, parallel decodes."""
+        """Keys no local tier holds, from each batch tier in turn: one fetch per key on the reader
+        pool, each decoded as soon as it arrives, so decodes overlap the transfers still on the
+        wire (one batched fetch would hold every decode back until its last byte arrived; where
+        the link is the limit, that costs the compression's gain)."""
         for index, tier in enumerate(self.tiers):
             if not indices:
                 return
@@ -573,19 +576,27 @@ class TieredStore:
                     tier.counters.add("misses")
                 continue
             ask = [i for i in indices if not self._ledger.is_stale(index, keys[i])]
-            fetched = tier.fetch_frames([keys[i] for i in ask])
-            decodes = [(i, self.engine.readers.submit(tier.decode_frame, keys[i], frame, outs[i]))
-                       for i, frame in zip(ask, fetched) if frame is not None]
-            missing = set(indices) - {i for i, frame in zip(ask, fetched) if frame is not None}
-            for i in missing:
-                tier.counters.add("misses")
-            for i, future in decodes:
-                chunk = future.result()
+            reads = [self.engine.readers.submit(self._fetch_decode, tier, keys[i], outs[i]) for i in ask]
+            missing = set(indices) - set(ask)
+            for i, read in zip(ask, reads):
+                chunk = read.result()
                 if chunk is None:
                     missing.add(i)
                 else:
                     yield i, chunk, index
+            for i in set(indices) - set(ask):
+                tier.counters.add("misses")
             indices = sorted(missing)
+
+    @staticmethod
+    def _fetch_decode(tier: Tier, key: bytes, out: Any) -> Any:
+        """One chunk of a batch tier, decoded into ``out``; None for a miss (counted) or a corrupt
+        frame (the tier counts and quarantines it)."""
+        (frame,) = tier.fetch_frames([key])
+        if frame is None:
+            tier.counters.add("misses")
+            return None
+        return tier.decode_frame(key, frame, out)
 
     def header(self, key: bytes) -> Any:
         """The stored chunk's frame header (dtype, shape, sizes) without decoding it, or None.

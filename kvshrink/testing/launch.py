@@ -270,16 +270,20 @@ class RedisServer(ManagedProcess):
     name = "redis-server"
 
     def __init__(self, workdir: Path, *, port: int | None = None, maxmemory: str = "512mb",
-                 log_path: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+                 log_path: Path | None = None, extra_args: Sequence[str] = (), host: str = LOOPBACK,
+                 netns: str | None = None) -> None:
+        """``netns``: run inside that network namespace (``ip netns exec``), listening on ``host``,
+        an address of that namespace."""
+        self.host = host
         self.port = port or free_port()
-        argv = ["redis-server", "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "yes",
+        argv = ["redis-server", "--port", str(self.port), "--bind", host, "--save", "", "--appendonly", "yes",
                 "--appendfsync", "always", "--dir", str(workdir), "--maxmemory", maxmemory,
                 "--maxmemory-policy", "allkeys-lru", *extra_args]
-        super().__init__(argv, log_path=log_path)
+        super().__init__(["ip", "netns", "exec", netns, *argv] if netns else argv, log_path=log_path)
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> "RedisServer":
         super().start()
@@ -290,7 +294,7 @@ class RedisServer(ManagedProcess):
         import redis
 
         try:
-            return bool(redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5).ping())
+            return bool(redis.Redis(host=self.host, port=self.port, socket_timeout=0.5).ping())
         except redis.RedisError:
             return False
 
