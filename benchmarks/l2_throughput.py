@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 from kvshrink.benchmarks.capacity_replay import ChunkPool
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest
@@ -108,8 +108,10 @@ def kv_objects(buffer: "torch.Tensor", pool: Sequence["torch.Tensor"], count: in
 
 
 def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
-            settings: ThroughputSettings) -> dict[str, float]:
-    """Store then load GB/s of ``rounds`` waves of ``threads`` x ``keys_per_submit`` real chunks."""
+            settings: ThroughputSettings,
+            load_phase: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> dict[str, float]:
+    """Store then load GB/s of ``rounds`` waves of ``threads`` x ``keys_per_submit`` real chunks;
+    the loads run inside ``load_phase()`` (e.g. the page cache dropped, reads throttled)."""
     import torch
     from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
     from lmcache.cli.commands.bench.l2_adapter_bench.runner import bench_load, bench_store
@@ -139,7 +141,8 @@ def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
     with l2_adapter(spec, buffer) as adapter:
         store = bench_store(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, store_objs, quiet)
         _check_complete("store", store)
-        load = bench_load(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, load_objs, quiet)
+        with load_phase():
+            load = bench_load(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, load_objs, quiet)
         _check_complete("load", load)
         # every round loads into the same buffers: check the last round's chunks bit-exact
         for i, objs in enumerate(load_views):
@@ -167,8 +170,33 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+READS = ("page cache", "device")  # where an SSD load reads from; or a device class: "500 MB/s device"
+
+
+def load_phase(reads: str, workdir: Path) -> Callable[[], ContextManager[Any]]:
+    """What the loads of an SSD case read from: ``page cache`` (what was just written), ``device``
+    (every file under ``workdir`` dropped from the cache first) or ``<N> MB/s device`` (dropped, and
+    this process's reads of that device throttled to N MB/s: a slower device class)."""
+    from kvshrink.benchmarks import device_reads
+
+    if reads == "page cache":
+        return contextlib.nullcontext
+    rate = None if reads == "device" else int(reads.removesuffix(" MB/s device")) * 10**6
+
+    @contextlib.contextmanager
+    def phase() -> Iterator[None]:
+        device_reads.drop_cached([workdir])
+        with device_reads.throttled_reads(workdir, rate) if rate else contextlib.nullcontext():
+            yield
+
+    return phase
+
+
 def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
-             settings: ThroughputSettings, template: Path | None = None) -> SideRun:
+             settings: ThroughputSettings, template: Path | None = None, reads: str = "page cache") -> SideRun:
+    """One side of one case; ``reads`` (SSD only): see :func:`load_phase`."""
+    if reads != "page cache" and tier != "ssd":
+        raise ValueError(f"reads={reads!r} is for the ssd tier only")
     workdir = Path(tempfile.mkdtemp(prefix="kvshrink-l2bench-"))
     size = pool[0].numel() * pool[0].element_size()
     stored_bytes = (settings.warmup_rounds + settings.rounds) * threads * settings.keys_per_submit * size
@@ -180,7 +208,7 @@ def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
                                      chunk_bytes=size, template=template)
         else:
             raise ValueError(f"unknown side {side!r}")
-        figures = measure(spec, pool, threads, settings)
+        figures = measure(spec, pool, threads, settings, load_phase(reads, workdir))
         if tier == "ssd":
             on_disk = _tree_bytes(workdir)
             tokens = stored_bytes // size * pool[0].shape[2]
@@ -191,7 +219,7 @@ def run_side(side: str, tier: str, threads: int, pool: ChunkPool,
         with contextlib.suppress(FileNotFoundError):
             (Path("/dev/shm") / f"kvshrink-l2bench-{workdir.name}").unlink()
     workload = Workload(trace=digest("l2-waves", settings.keys_per_submit, settings.rounds, settings.warmup_rounds),
-                        model=pool.fingerprint, budget={"tier": tier, "threads": threads})
+                        model=pool.fingerprint, budget={"tier": tier, "threads": threads, "reads": reads})
     details: dict[str, Any] = {"adapter": spec["type"]}
     if side == OURS:
         details.update(adapter=ADAPTER_CLASS, store=spec["adapter_params"]["store"],

@@ -24,7 +24,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "capacity": {"trace": dict(sessions=16, turns=6, concurrency=12, system_tokens=1500, tokens_per_turn=200,
                                    output_tokens=50, seed=0),
                      "fractions": (0.4, 0.55), "dram_share": 0.25, "full_verify": False},
-        "throughput": {"keys_per_submit": 4, "rounds": 2, "threads": (1, 2), "link_mbit": (1000,)},
+        "throughput": {"keys_per_submit": 4, "rounds": 2, "threads": (1, 2), "link_mbit": (1000,),
+                       "ssd_reads": ("device", "250 MB/s device")},
         # the hot path and restart on a 512-token prompt, no agent replay: vLLM CPU prefills ~28 ms a
         # token on 2 AVX2 cores, and the last quick replay (8 requests, one 15 MiB budget) took 5.5 of
         # its 15 minutes and was too small to show anything (stock 37.0 %, ours 33.9 % hit); the full
@@ -36,7 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "capacity": {"trace": dict(sessions=32, turns=8, concurrency=16, system_tokens=3000, tokens_per_turn=300,
                                    output_tokens=80, seed=0),
                      "fractions": (0.25, 0.4, 0.55, 0.7), "dram_share": 0.25, "full_verify": True},
-        "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2), "link_mbit": (1000, 10000)},
+        "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2), "link_mbit": (1000, 10000),
+                       "ssd_reads": ("device", "500 MB/s device", "250 MB/s device")},
         "e2e": {"hot_pairs": 12},  # the trace and budgets: e2e_paired.PairedSettings
     },
 }
@@ -52,6 +54,7 @@ class Context:
     threads: int
     bar: Callable[..., Any]  # tqdm factory
     e2e_engine: Any = None  # e2e_paired.PairedBench started early by launch_e2e_engine
+    device_read_gbps: float | None = None  # this disk's sequential read speed, cache dropped (throughput)
     trace: Path | None = None  # a user's JSONL trace (benchmarks/user_trace.py) instead of the generator
 
     def launch_e2e_engine(self) -> None:
@@ -236,17 +239,18 @@ def throughput(ctx: Context) -> Section:
     preset = ctx.preset("throughput")
     settings = lt.ThroughputSettings(keys_per_submit=preset["keys_per_submit"], rounds=preset["rounds"])
     pool = chunk_pool(8)
-    cases = [(tier, t) for tier in lt.TIERS for t in preset["threads"]]
     section = Section(figures={"cases": []})
+    cases = [(tier, t, "page cache") for tier in lt.TIERS for t in preset["threads"]]
+    cases += [("ssd", max(preset["threads"]), reads) for reads in _device_reads(ctx, section, preset["ssd_reads"])]
     ours_runs = []
     with ctx.bar(total=2 * len(cases), desc="L2 throughput", unit="run", leave=False) as bar:
-        for tier, threads in cases:
+        for tier, threads, reads in cases:
             runs = {}
             for side in (STOCK, OURS):
-                bar.set_postfix_str(f"{side}, {tier}, {threads}t")
-                runs[side] = lt.run_side(side, tier, threads, pool, settings, ctx.store_template)
+                bar.set_postfix_str(f"{side}, {tier}, {threads}t, {reads}")
+                runs[side] = lt.run_side(side, tier, threads, pool, settings, ctx.store_template, reads)
                 bar.update()
-            case = f"{tier}, {threads} thread{'s' * (threads > 1)}"
+            case = f"{tier}, {threads} thread{'s' * (threads > 1)}" + ("" if reads == "page cache" else f", {reads}")
             metrics = [Metric("store_gbps", "GB/s"), Metric("load_gbps", "GB/s")]
             if tier == "ssd":
                 metrics.append(Metric("bytes_per_token_on_disk", "B/token", higher_is_better=False))
@@ -258,6 +262,13 @@ def throughput(ctx: Context) -> Section:
     if ssd:
         ratio = ssd[0][OURS]["bytes_per_token_on_disk"] / ssd[0][STOCK]["bytes_per_token_on_disk"]
         section.target("bytes written per cached token <= 1/1.45 of stock", ratio <= 1 / 1.45, f"{ratio:.3f} of stock")
+    if ctx.device_read_gbps is not None:
+        section.figures["device_read_gbps"] = ctx.device_read_gbps
+        section.notes.append(f"ssd rows: 'page cache' loads read what was just written (memory speed); 'device' rows "
+                             "drop both sides' files from the page cache first (posix_fadvise DONTNEED), and this "
+                             f"disk read {ctx.device_read_gbps:.2f} GB/s sequentially in the same run (512 MiB, cache "
+                             "dropped); 'N MB/s device' rows also cap this process's reads of it with a cgroup v1 blkio "
+                             "throttle (a slower device class, e.g. a network-attached volume), both sides alike")
     _remote_rows(section, ctx, pool, settings)
     section.notes.append("stock = LMCache's fs adapter (on /dev/shm for dram, a local directory for ssd); ours = the "
                          "store config as shipped, sized so that one tier serves: dram with room for every chunk in "
@@ -265,6 +276,27 @@ def throughput(ctx: Context) -> Section:
                          "and loads come from it (our SSD tier fsyncs every chunk, stock fs does not); SSD loads "
                          "follow the stores, so both read from the page cache")
     return section
+
+
+def _device_reads(ctx: Context, section: Section, wanted: tuple[str, ...]) -> list[str]:
+    """The SSD read cases this machine can run: the device's own speed first (into
+    ``ctx.device_read_gbps``), throttled classes only where blkio throttling works."""
+    import tempfile
+
+    from kvshrink.benchmarks import device_reads as dr
+
+    folder = Path(tempfile.gettempdir())  # where the throughput cases keep their files
+    ctx.device_read_gbps = dr.sequential_read_gbps(folder)
+    runnable = [r for r in wanted if r == "device"]
+    throttled = [r for r in wanted if r != "device"]
+    if throttled:
+        try:
+            with dr.throttled_reads(folder, 10**9):
+                pass
+            runnable += throttled
+        except dr.DeviceUnavailable as exc:
+            section.notes.append(f"ssd rows {', '.join(throttled)}: skipped ({exc})")
+    return runnable
 
 
 def _remote_rows(section: Section, ctx: Context, pool: Any, settings: Any) -> None:
