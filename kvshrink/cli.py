@@ -5,7 +5,7 @@ Each sub-command lives in its own module exposing ``add_arguments(parser)`` and
 top-level imports light (argparse, pathlib) and import heavy dependencies (torch, vLLM, FastAPI)
 inside ``run``, so ``kvshrink --help`` and light commands stay fast.
 
-The product's commands are ``serve-cache``, ``index`` and ``router``. ``bench``, ``codec-bench`` and
+The product's commands are ``serve-cache``, ``index``, ``router`` and ``cascade``. ``bench``, ``codec-bench`` and
 ``store-bench`` run the benchmarks (``kvshrink.benchmarks``) and ``fixture`` builds the harness's
 real-model fixtures (``kvshrink.testing``): they are named here by dotted path only, never imported
 by product code, and a benchmark command whose ``bench`` extra is not installed stops with the
@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "store-bench": ("kvshrink.benchmarks.store_bench", "benchmark the tiered store: SSD bytes/token, get_many across tiers, 100k-chunk reopen"),
     "index": ("kvshrink.index.cli", "global KV index: serve it (HTTP + ZMQ KV events), or query a running one"),
     "router": ("kvshrink.plugins.router.router_launcher", "run production-stack's router (vllm_router) with the KVShrink tier-aware routing logic"),
+    "cascade": ("kvshrink.cascade.cli", "KV Cascade proxy: a small model condenses marked documents before vLLM sees them"),
 }
 # command name -> the setup.cfg extra it needs beyond install_requires
 EXTRAS: dict[str, str] = {"bench": "bench", "codec-bench": "bench", "store-bench": "bench"}

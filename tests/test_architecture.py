@@ -34,6 +34,7 @@ LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.store": "store",
     "kvshrink.configs": "configs",
     "kvshrink.index": "index",
+    "kvshrink.cascade": "cascade",
     "kvshrink.storage_backends": "backends",
     "kvshrink.plugins": "plugins",  # the package of the two below; its __init__ imports nothing
     "kvshrink.plugins.vllm": "vllm",
@@ -48,6 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"codec"},
     "configs": {"store"},
     "index": set(),
+    "cascade": {"store"},  # a TieredStore may keep condensations
     "backends": {"configs", "store", "codec"},
     "plugins": set(),
     "vllm": {"backends", "configs", "store", "codec"},

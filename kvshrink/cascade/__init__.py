@@ -1,0 +1,9 @@
+"""KV Cascade: a small model condenses retrieved documents before the main model sees them.
+
+Fewer prompt tokens mean less prefill and less KV cache to keep, move and offload. The pieces, one
+idea each: ``units`` (words / sentences, what may be dropped), ``condenser`` (small-model scoring
+and selection), ``cache`` (condensations keyed by what determines them), ``service`` (cache, single
+flight and batching in front of the condenser), ``marking`` (which parts of an OpenAI request are
+documents), ``proxy`` (the OpenAI-compatible front of vLLM), ``metrics`` and ``cli``
+(``kvshrink cascade serve``). Importing the package imports none of them.
+"""
