@@ -23,7 +23,7 @@ def test_reads_are_capped_inside_and_not_after(tmp_path: Path) -> None:
             capped = dr.sequential_read_gbps(tmp_path, 64 << 20)
     except dr.DeviceUnavailable as exc:
         pytest.skip(f"no blkio throttling here: {exc}")
-    assert capped <= 0.115, capped  # 100 MB/s, a little over for the first burst
+    assert capped <= 0.125, capped  # 100 MB/s, a quarter over at most for the first burst
     assert _blkio_group() == home
     assert not list(dr.BLKIO.glob("kvshrink-*"))  # the group is gone (how fast reads are after it
     # depends on what else uses the disk: not asserted)
