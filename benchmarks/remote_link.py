@@ -111,8 +111,8 @@ def redis_across(link: Link, workdir: Path) -> Iterator[Any]:
     server = RedisServer(workdir, port=REDIS_PORT, host=link.peer_ip, netns=link.netns, maxmemory="4gb",
                          extra_args=("--appendonly", "no", "--protected-mode", "no"),  # a private namespace
                          log_path=workdir / "redis.log")
-    server.start()
     try:
+        server.start()  # a server that never answers is stopped too
         yield server
     finally:
         server.stop()
