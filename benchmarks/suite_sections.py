@@ -54,7 +54,6 @@ class Context:
     threads: int
     bar: Callable[..., Any]  # tqdm factory
     e2e_engine: Any = None  # e2e_paired.PairedBench started early by launch_e2e_engine
-    device_read_gbps: float | None = None  # this disk's sequential read speed, cache dropped (throughput)
     trace: Path | None = None  # a user's JSONL trace (benchmarks/user_trace.py) instead of the generator
 
     def launch_e2e_engine(self) -> None:
@@ -241,7 +240,8 @@ def throughput(ctx: Context) -> Section:
     pool = chunk_pool(8)
     section = Section(figures={"cases": []})
     cases = [(tier, t, "page cache") for tier in lt.TIERS for t in preset["threads"]]
-    cases += [("ssd", max(preset["threads"]), reads) for reads in _device_reads(ctx, section, preset["ssd_reads"])]
+    device_reads, device_gbps = _device_reads(section, preset["ssd_reads"])
+    cases += [("ssd", max(preset["threads"]), reads) for reads in device_reads]
     ours_runs = []
     with ctx.bar(total=2 * len(cases), desc="L2 throughput", unit="run", leave=False) as bar:
         for tier, threads, reads in cases:
@@ -262,11 +262,11 @@ def throughput(ctx: Context) -> Section:
     if ssd:
         ratio = ssd[0][OURS]["bytes_per_token_on_disk"] / ssd[0][STOCK]["bytes_per_token_on_disk"]
         section.target("bytes written per cached token <= 1/1.45 of stock", ratio <= 1 / 1.45, f"{ratio:.3f} of stock")
-    if ctx.device_read_gbps is not None:
-        section.figures["device_read_gbps"] = ctx.device_read_gbps
+    if preset["ssd_reads"]:
+        section.figures["device_read_gbps"] = device_gbps
         section.notes.append(f"ssd rows: 'page cache' loads read what was just written (memory speed); 'device' rows "
                              "drop both sides' files from the page cache first (posix_fadvise DONTNEED), and this "
-                             f"disk read {ctx.device_read_gbps:.2f} GB/s sequentially in the same run (512 MiB, cache "
+                             f"disk read {device_gbps:.2f} GB/s sequentially in the same run (512 MiB, cache "
                              "dropped); 'N MB/s device' rows also cap this process's reads of it with a cgroup v1 blkio "
                              "throttle (a slower device class, e.g. a network-attached volume), both sides alike")
     _remote_rows(section, ctx, pool, settings)
@@ -278,15 +278,15 @@ def throughput(ctx: Context) -> Section:
     return section
 
 
-def _device_reads(ctx: Context, section: Section, wanted: tuple[str, ...]) -> list[str]:
-    """The SSD read cases this machine can run: the device's own speed first (into
-    ``ctx.device_read_gbps``), throttled classes only where blkio throttling works."""
+def _device_reads(section: Section, wanted: tuple[str, ...]) -> tuple[list[str], float]:
+    """The SSD read cases this machine can run (throttled classes only where blkio throttling
+    works), and the device's own sequential read speed."""
     import tempfile
 
     from kvshrink.benchmarks import device_reads as dr
 
     folder = Path(tempfile.gettempdir())  # where the throughput cases keep their files
-    ctx.device_read_gbps = dr.sequential_read_gbps(folder)
+    gbps = dr.sequential_read_gbps(folder)
     runnable = [r for r in wanted if r == "device"]
     throttled = [r for r in wanted if r != "device"]
     if throttled:
@@ -296,7 +296,7 @@ def _device_reads(ctx: Context, section: Section, wanted: tuple[str, ...]) -> li
             runnable += throttled
         except dr.DeviceUnavailable as exc:
             section.notes.append(f"ssd rows {', '.join(throttled)}: skipped ({exc})")
-    return runnable
+    return runnable, gbps
 
 
 def _remote_rows(section: Section, ctx: Context, pool: Any, settings: Any) -> None:
