@@ -87,9 +87,33 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class PrefetchConfig:
+    """Prefetch hints (``TieredStore.prefetch``): chunks moved up to the first tier ahead of a read.
+    ``depth``: most chunks one hint moves, in prefix order (0: hints are ignored, counted dropped);
+    ``max_in_flight``: chunk moves running at once in the store; ``max_pending``: chunks queued
+    over all hints, beyond which a hint's chunks are dropped and counted, never queued."""
+
+    depth: int = 256
+    max_in_flight: int = 2
+    max_pending: int = 4096
+
+
+@dataclass(frozen=True)
+class IdleDemotionConfig:
+    """Chunks of the first tier not read or written for ``after_s`` seconds move one tier down
+    (0: off); a scan every ``scan_interval_s`` demotes at most ``max_per_scan`` of them."""
+
+    after_s: float = 0.0
+    scan_interval_s: float = 1.0
+    max_per_scan: int = 64
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     tiers: tuple[TierConfig, ...]
     engine: EngineConfig = field(default_factory=EngineConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    idle_demotion: IdleDemotionConfig = field(default_factory=IdleDemotionConfig)
     promote_on_hit: bool = True
     # close() copies what only a faster tier holds down to the next one: with exclusive tiers
     # (no write_back) a clean shutdown then keeps it on SSD, not only in /dev/shm
@@ -118,7 +142,7 @@ _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 def parse_store_config(data: Any) -> StoreConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", f"expected a mapping with a 'tiers' list, got {type(data).__name__}")
-    reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close"})
+    reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close", "prefetch", "idle_demotion"})
     tiers_data = data.get("tiers")
     if not isinstance(tiers_data, list) or not tiers_data:
         raise ConfigError("tiers", "expected a non-empty list of tiers, fastest first")
@@ -132,7 +156,32 @@ def parse_store_config(data: Any) -> StoreConfig:
     engine = _parse_engine(data.get("engine", {}))
     promote = bool_value(data.get("promote_on_hit", True), "promote_on_hit")
     persist = bool_value(data.get("persist_on_close", False), "persist_on_close")
-    return StoreConfig(tiers=tiers, engine=engine, promote_on_hit=promote, persist_on_close=persist)
+    prefetch = _parse_prefetch(data.get("prefetch", {}))
+    idle = _parse_idle_demotion(data.get("idle_demotion", {}))
+    if idle.after_s and len(tiers) < 2:
+        raise ConfigError("idle_demotion.after_s", "needs a tier below the first to demote to; set 0 (off)")
+    return StoreConfig(tiers=tiers, engine=engine, promote_on_hit=promote, persist_on_close=persist,
+                       prefetch=prefetch, idle_demotion=idle)
+
+
+def _parse_prefetch(data: Any) -> PrefetchConfig:
+    data = mapping_value(data, "prefetch", {f.name for f in fields(PrefetchConfig)})
+    d = PrefetchConfig()
+    return PrefetchConfig(depth=int_value(data.get("depth", d.depth), "prefetch.depth", minimum=0),
+                          max_in_flight=int_value(data.get("max_in_flight", d.max_in_flight),
+                                                  "prefetch.max_in_flight", minimum=1, maximum=64),
+                          max_pending=int_value(data.get("max_pending", d.max_pending), "prefetch.max_pending",
+                                                minimum=1))
+
+
+def _parse_idle_demotion(data: Any) -> IdleDemotionConfig:
+    data = mapping_value(data, "idle_demotion", {f.name for f in fields(IdleDemotionConfig)})
+    d = IdleDemotionConfig()
+    return IdleDemotionConfig(
+        after_s=number_value(data.get("after_s", d.after_s), "idle_demotion.after_s"),
+        scan_interval_s=number_value(data.get("scan_interval_s", d.scan_interval_s), "idle_demotion.scan_interval_s",
+                                     above=True),
+        max_per_scan=int_value(data.get("max_per_scan", d.max_per_scan), "idle_demotion.max_per_scan", minimum=1))
 
 
 def _parse_tier(data: Any, index: int) -> TierConfig:

@@ -15,6 +15,10 @@ TIER_COUNTERS = ("hits", "misses", "puts", "put_bytes", "errors", "quarantined",
 ENGINE_COUNTERS = ("puts", "dropped_queue_full", "dropped_staging_full", "put_errors",
                    "background_jobs", "background_dropped", "background_errors", "promotions",
                    "keys_dropped", "drop_listener_errors", "placement_listener_errors")
+PREFETCH_COUNTERS = ("prefetch_hints", "prefetch_issued", "prefetch_moved", "prefetch_skipped", "prefetch_missing",
+                     "prefetch_useful", "prefetch_wasted", "prefetch_cancelled", "prefetch_dropped", "prefetch_errors")
+IDLE_COUNTERS = ("idle_scans", "idle_demotions", "idle_skipped_pinned", "idle_demote_failed")
+MONOTONIC = frozenset(ENGINE_COUNTERS + PREFETCH_COUNTERS + IDLE_COUNTERS)  # exported as counters, the rest as gauges
 
 
 class Counters:
@@ -59,7 +63,7 @@ class StoreCollector:
                 family.add_metric([tier], values[name])
             yield family
         for name, value in snapshot["engine"].items():
-            if name in ENGINE_COUNTERS:
+            if name in MONOTONIC:
                 yield CounterMetricFamily(f"{self._prefix}_engine_{name}", f"copy engine {name}", value=value)
             else:
                 yield GaugeMetricFamily(f"{self._prefix}_engine_{name}", f"copy engine {name}", value=value)

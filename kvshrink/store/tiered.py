@@ -17,6 +17,10 @@
   nor ``write_back``: the budgets add up), copied out of the others (they hold copies by design).
   ``get_many`` reads chunks on different tiers in parallel and decodes in parallel into the
   caller's buffers.
+* ``prefetch(keys)`` moves chunks up to the first tier ahead of a read, bounded, on its own threads
+  (a read of a chunk being moved waits for that move: :mod:`~kvshrink.store.prefetch`); with
+  ``idle_demotion.after_s`` set, first-tier chunks idle that long move one tier down
+  (:mod:`~kvshrink.store.idle`), never a pinned one.
 * ``lock`` / ``unlock`` pin chunks in the local tiers (LMCache's lookup-and-lock); ``header`` gives
   a chunk's dtype and shape before the caller allocates.
 * ``add_drop_listener`` tells an owner (an LMCache adapter mirroring the store's contents) which
@@ -50,7 +54,9 @@ from kvshrink.store.config import StoreConfig, TierConfig
 from kvshrink.store.copy_engine import CopyEngine
 from kvshrink.store.drops import DROP_COUNTERS, RECENT_DROPS, DropListener, DropListeners  # noqa: F401 (re-exported)
 from kvshrink.store.ledger import PUMP_RETRY_S, CopyLedger, Move, Parked  # noqa: F401 (re-exported)
+from kvshrink.store.idle import IdleDemoter, IdleTracker
 from kvshrink.store.placements import PlacementListener, PlacementListeners
+from kvshrink.store.prefetch import PrefetchHandle, Prefetcher
 from kvshrink.store.tier_base import Tier, check_key
 from kvshrink.store import tier_codecs
 
@@ -109,6 +115,12 @@ class TieredStore:
         self._drops = DropListeners()
         self._placements = PlacementListeners()
         self._closed = False
+        self._prefetch = Prefetcher(config.prefetch, self._prefetch_move, self.tiers[0].contains)
+        self._idle: IdleTracker | None = None
+        self._idle_demoter: IdleDemoter | None = None
+        if config.idle_demotion.after_s > 0:
+            self._idle = IdleTracker(self.tiers[0].keys())
+            self._idle_demoter = IdleDemoter(config.idle_demotion, self._idle, self._demote_idle)
 
     @classmethod
     def from_config(cls, source: "str | Path | Mapping[str, Any] | StoreConfig") -> "TieredStore":
@@ -227,6 +239,10 @@ class TieredStore:
                     self._retire_older_copies(key, index)
         self._drops.stored(key)
         self._placements.notify([key, *(v.key for v in victims)])
+        if index == 0:
+            self._prefetch.evicted([v.key for v in victims])
+            if self._idle is not None:
+                self._idle.touch([key])
         if last:
             lost += [v.key for v in victims]
             return True
@@ -466,6 +482,66 @@ class TieredStore:
             self._ledger.end(move)
             self._report_dropped(lost)
 
+    # -- prefetch and idle demotion ---------------------------------------------------------------
+    def prefetch(self, keys: Sequence[bytes]) -> PrefetchHandle:
+        """Move the chunks of ``keys`` (prefix order) from slower tiers up to the first one, at most
+        ``prefetch.max_in_flight`` at once; returns at once. Bounds, counters and what a read that
+        overlaps a move does: :mod:`kvshrink.store.prefetch`. Keys are checked here
+        (InvalidKeyError); StoreClosedError after close."""
+        keys = [check_key(k) for k in keys]
+        self._check_open()
+        return self._prefetch.submit(keys)
+
+    def _prefetch_move(self, key: bytes) -> str:
+        """One prefetch move (on a prefetch thread): the chunk read from the fastest lower tier
+        holding it and written into the first tier as a promotion (an exclusive source lets go of
+        its copy once it landed). ``moved``, ``present`` or ``missing``; a refused write raises."""
+        if self.tiers[0].contains(key):
+            return "present"
+        move = self._ledger.begin(key)
+        lost: list[bytes] = []
+        try:
+            for index in range(1, len(self.tiers)):
+                if index in self._remote and self._ledger.is_stale(index, key):
+                    continue
+                if index in self._local and not self.tiers[index].contains(key):
+                    continue
+                frame = self.tiers[index].read_frame(key)
+                if frame is None:
+                    continue  # evicted meanwhile, or not there (a remote tier is asked only here)
+                landed = self._write(0, key, tier_codecs.convert(frame, self.tiers[0]), lost, move,
+                                     promoted_from=index)
+                return "moved" if landed else "missing"
+            return "missing"
+        finally:
+            self._ledger.end(move)
+            self._report_dropped(lost)
+
+    def _demote_idle(self, key: bytes) -> str:
+        """Move an idle chunk of the first tier one tier down (on the idle thread): copied below
+        first, then removed here, under the first tier's write lock, so a put of the key waits and
+        a reader finds it in one tier or the other. Never a pinned chunk, nor one with a prefetch
+        queued or running. ``demoted``, ``pinned``, ``gone`` or ``failed``."""
+        lost: list[bytes] = []
+        try:
+            with self._write_locks[0]:
+                if self._is_pinned(key) or self._prefetch.busy(key):
+                    return "pinned"
+                if not self.tiers[0].contains(key):
+                    return "gone"
+                self._demote(0, self._capture(0, [key]), lost)
+                if not (self._holds_current(1, key) or self._ledger.parked_frame(key, 1) is not None):
+                    return "failed"  # the tier below refused it (counted there): it stays here
+                with self._lock:  # lock() pins under this lock: pinned from now on, it stays here too
+                    if key in self._pins:
+                        return "pinned"
+                    self.tiers[0].delete(key)
+        finally:
+            self._report_dropped(lost)
+        self._placements.notify([key])
+        self._prefetch.evicted([key])
+        return "demoted"
+
     def _schedule(self, job: Any, *args: Any) -> bool:
         """Queue a background job; False (counted) when the background lane is full."""
         future = self.engine.background.try_submit(job, *args)
@@ -503,6 +579,7 @@ class TieredStore:
         if len(outs) != len(keys):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output buffers")
         self._check_open()
+        self._prefetch.before_read(keys)  # wait for moves running, take queued ones over
         results: list[Any] = [None] * len(keys)
         found_in: list[int | None] = [None] * len(keys)
         held = [self._held_locally(k) for k in keys]
@@ -518,6 +595,10 @@ class TieredStore:
             results[i], found_in[i] = chunk, tier_index
             if tier_index and self.config.promote_on_hit and self._schedule(self._promote_job, tier_index, keys[i]):
                 self.engine.counters.add("promotions")
+        first = [keys[i] for i, chunk in enumerate(results) if chunk is not None and found_in[i] == 0]
+        self._prefetch.read(first)
+        if self._idle is not None:
+            self._idle.touch(first)
         # a chunk held when the read began but read as a miss was quarantined (or its file vanished)
         self._report_dropped([keys[i] for i in local if results[i] is None])
         return results
@@ -683,6 +764,7 @@ class TieredStore:
         told: the return value is the caller's notice. Copies in flight between tiers are
         abandoned (one already writing may still land)."""
         key = check_key(key)
+        self._prefetch.forget(key)
         parked = self._ledger.forget(key)
         held = [tier.delete(key) for tier in self.tiers]
         for index in self._remote:
@@ -732,7 +814,9 @@ class TieredStore:
         with self._lock:
             pinned = len(self._pins)
         engine = {**self.engine.stats(), **self._drops.counters.snapshot(), **self._placements.counters.snapshot(),
-                  "pinned": pinned}
+                  **self._prefetch.stats(), "pinned": pinned}
+        if self._idle_demoter is not None:
+            engine.update(self._idle_demoter.stats())
         return {"tiers": {t.name: t.stats() for t in self.tiers}, "engine": engine}
 
     def flush(self, timeout: float | None = None) -> None:
@@ -760,6 +844,9 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
+        if self._idle_demoter is not None:
+            self._idle_demoter.close()
+        self._prefetch.close()
         self.engine.close()
         try:
             if self.config.persist_on_close:

@@ -93,7 +93,8 @@ def test_bad_yaml_names_the_file_and_line(tmp_path):
 # -- structured errors: key and reason, never parsed back out of the message ------------------------
 @pytest.mark.parametrize(("data", "key", "reason"), [
     ({"tiers": [{"kind": "dram", "capacity": 10}], "enigne": {}}, "enigne",
-     "unknown key; expected one of ['engine', 'persist_on_close', 'promote_on_hit', 'tiers']"),
+     "unknown key; expected one of ['engine', 'idle_demotion', 'persist_on_close', 'prefetch', 'promote_on_hit', "
+     "'tiers']"),
     ({"tiers": [{"kind": "dram", "capacity": 10}], "engine": {"put_workers": "2"}}, "engine.put_workers",
      "expected an integer >= 1, got '2'"),
     ({"tiers": [{"kind": "dram", "capacity": 10}], "engine": {"read_workers": 1.5}}, "engine.read_workers",

@@ -1,0 +1,196 @@
+"""Prefetch hints and idle demotion on a real store (DRAM arena in /dev/shm + SSD files).
+
+Timing is made deterministic by holding the first tier's write lock (``store._write_locks[0]``):
+a prefetch move that holds a running slot then waits inside the store's real write path, exactly
+where a slow move would be, so the tests can see what a read or a hint does meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvshrink.errors import ConfigError
+from kvshrink.store import StoreConfig, TieredStore
+
+
+def tiers(tmp_path, shm_name, dram_chunks: int = 16) -> list[dict]:
+    return [{"kind": "dram", "capacity": int((dram_chunks + 0.5) * 1.5 * 2**20), "shm_name": shm_name},
+            {"kind": "ssd", "capacity": "256MiB", "path": str(tmp_path / "ssd"), "fsync": False}]
+
+
+def on_ssd(tmp_path, chunks, keys) -> None:
+    """Write ``keys`` straight to the SSD directory (an SSD-only store), as an earlier process
+    whose DRAM chunks were demoted would have left them."""
+    with TieredStore.from_config({"tiers": [tiers(tmp_path, "unused")[1]]}) as ssd_only:
+        for key, chunk in zip(keys, chunks):
+            assert ssd_only.put(key, chunk).result(timeout=60) is True
+
+
+def open_store(tmp_path, shm_name, dram_chunks: int = 16, **sections) -> TieredStore:
+    return TieredStore.from_config({"promote_on_hit": False, "tiers": tiers(tmp_path, shm_name, dram_chunks),
+                                    **sections})
+
+
+def engine(store: TieredStore) -> dict:
+    return store.stats()["engine"]
+
+
+@pytest.fixture
+def keys():
+    return [b"chunk-%02d" % i for i in range(6)]
+
+
+def test_prefetch_moves_ssd_chunks_up_and_the_read_that_follows_reads_dram_only(tmp_path, shm_name, small_chunks,
+                                                                               keys):
+    on_ssd(tmp_path, small_chunks, keys)
+    with open_store(tmp_path, shm_name) as store:
+        assert [store.where(k) for k in keys] == ["ssd"] * 6
+        result = store.prefetch(keys).wait(timeout=60)
+        assert (result.requested, result.queued, result.moved) == (6, 6, 6)
+        assert [store.where(k) for k in keys] == ["dram"] * 6
+        assert store.keys("ssd") == []  # moved, not copied: the SSD is exclusive
+        got = store.get_many(keys)
+        assert all(np.array_equal(g, c) for g, c in zip(got, small_chunks))
+        stats = store.stats()
+        assert stats["tiers"]["ssd"]["hits"] == 0 and stats["tiers"]["dram"]["hits"] == 6
+        e = stats["engine"]
+        assert (e["prefetch_issued"], e["prefetch_moved"], e["prefetch_useful"], e["prefetch_wasted"]) == (6, 6, 6, 0)
+
+
+def test_a_hint_for_a_prefix_not_cached_or_partly_cached_ends_cleanly(tmp_path, shm_name, small_chunks, keys):
+    on_ssd(tmp_path, small_chunks[:2], keys[:2])
+    with open_store(tmp_path, shm_name) as store:
+        assert store.put(keys[2], small_chunks[2]).result(timeout=60) is True  # already in DRAM
+        result = store.prefetch(keys).wait(timeout=60)  # 2 on SSD, 1 in DRAM, 3 nowhere
+        assert (result.moved, result.skipped, result.missing, result.queued) == (2, 1, 3, 5)
+        assert store.prefetch([b"never-%d" % i for i in range(4)]).wait(timeout=60).missing == 4
+        assert store.prefetch([]).wait(timeout=1).requested == 0
+        e = engine(store)
+        assert e["prefetch_missing"] == 7 and e["prefetch_errors"] == 0 and e["prefetch_pending"] == 0
+
+
+def test_a_chunk_evicted_before_its_move_ran_is_missing_and_one_evicted_unread_is_wasted(tmp_path, shm_name,
+                                                                                       small_chunks, keys):
+    on_ssd(tmp_path, small_chunks, keys)
+    with open_store(tmp_path, shm_name, dram_chunks=4, prefetch={"max_in_flight": 1}) as store:
+        with store._write_locks[0]:  # the first move waits in the write path; the rest stay queued
+            handle = store.prefetch(keys[:4])
+            assert store.delete(keys[3])  # gone from the SSD before its move ran
+        result = handle.wait(timeout=60)
+        assert (result.moved, result.missing) == (3, 1)
+        fresh = [b"fresh-%d" % i for i in range(4)]
+        for key, chunk in zip(fresh, small_chunks[8:]):  # four new puts evict the three moved chunks
+            assert store.put(key, chunk).result(timeout=60) is True
+        store.flush(timeout=60)
+        assert [store.where(k) for k in keys[:3]] == ["ssd"] * 3  # demoted, not lost
+        e = engine(store)
+        assert (e["prefetch_wasted"], e["prefetch_useful"]) == (3, 0)
+
+
+def test_a_read_waits_for_a_running_move_and_takes_over_queued_ones(tmp_path, shm_name, small_chunks, keys):
+    on_ssd(tmp_path, small_chunks, keys)
+    with open_store(tmp_path, shm_name, prefetch={"max_in_flight": 1}) as store:
+        got: list = []
+        with store._write_locks[0]:
+            handle = store.prefetch(keys[:4])  # keys[0] moving (held at the lock), keys[1:4] queued
+            reader = threading.Thread(target=lambda: got.append(store.get(keys[0])))
+            reader.start()
+            reader.join(0.5)
+            assert reader.is_alive(), "the read of a chunk being moved must wait for that move"
+            taken = store.get_many(keys[1:4])  # queued: the reader reads them itself, once
+            assert all(np.array_equal(g, c) for g, c in zip(taken, small_chunks[1:4]))
+        reader.join(60)
+        assert np.array_equal(got[0], small_chunks[0])
+        result = handle.wait(timeout=60)
+        assert (result.moved, result.cancelled) == (1, 3)
+        stats = store.stats()
+        # every chunk read once: keys[0] from DRAM after its move, keys[1:4] from the SSD
+        assert stats["tiers"]["ssd"]["hits"] == 3 and stats["tiers"]["dram"]["hits"] == 1
+        assert stats["engine"]["prefetch_moved"] == 1 and stats["engine"]["prefetch_useful"] == 1
+        assert [store.where(k) for k in keys[:4]] == ["dram", "ssd", "ssd", "ssd"]
+
+
+def test_ten_thousand_hints_at_once_are_bounded_dropped_and_counted(tmp_path, shm_name, small_chunks, keys):
+    on_ssd(tmp_path, small_chunks, keys[:2])
+    with open_store(tmp_path, shm_name, prefetch={"max_in_flight": 2, "max_pending": 64, "depth": 8}) as store:
+        with store._write_locks[0]:  # two real moves hold both running slots
+            handles = [store.prefetch([k]) for k in keys[:2]]
+            handles += [store.prefetch([b"session-%05d" % i]) for i in range(9998)]
+            e = engine(store)
+            assert (e["prefetch_running"], e["prefetch_pending"]) == (2, 64)
+            assert (e["prefetch_issued"], e["prefetch_dropped"]) == (66, 9998 - 64)
+            assert sum(h.done() for h in handles) == 9998 - 64  # dropped hints are settled at once
+            wide = store.prefetch([b"wide-%d" % i for i in range(20)])  # beyond depth 8
+            assert wide.result.dropped == 20
+        assert all(h.wait(timeout=60) for h in handles)
+        assert engine(store)["prefetch_pending"] == 0
+
+
+def test_cancel_takes_a_hints_queued_chunks_off_the_queue(tmp_path, shm_name, small_chunks, keys):
+    on_ssd(tmp_path, small_chunks, keys)
+    with open_store(tmp_path, shm_name, prefetch={"max_in_flight": 1}) as store:
+        with store._write_locks[0]:
+            handle = store.prefetch(keys)
+            assert handle.cancel() == 5
+        result = handle.wait(timeout=60)
+        assert (result.moved, result.cancelled) == (1, 5)
+        assert store.keys("dram") == [keys[0]] and engine(store)["prefetch_cancelled"] == 5
+
+
+def test_idle_chunks_move_down_compressed_but_never_a_pinned_one(tmp_path, shm_name, small_chunks, keys):
+    idle = {"after_s": 0.4, "scan_interval_s": 0.1}
+    with open_store(tmp_path, shm_name, idle_demotion=idle) as store:
+        for key, chunk in zip(keys[:4], small_chunks):
+            assert store.put(key, chunk).result(timeout=60) is True
+        assert store.lock([keys[0]]) == [True]  # a lookup in progress
+        deadline = time.monotonic() + 30
+        while engine(store)["idle_demotions"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [store.where(k) for k in keys[:4]] == ["dram", "ssd", "ssd", "ssd"]
+        e = engine(store)
+        assert e["idle_demotions"] == 3 and e["idle_skipped_pinned"] >= 1
+        assert store.stats()["tiers"]["dram"]["demotions"] == 3
+        ssd = store.stats()["tiers"]["ssd"]
+        assert ssd["bytes_stored"] < 3 * small_chunks[0].nbytes  # compressed on the way down
+        store.unlock([keys[0]])
+        while store.where(keys[0]) != "ssd" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.where(keys[0]) == "ssd"
+        # the session resumes: a hint brings it back, a read finds every chunk intact
+        assert store.prefetch(keys[:4]).wait(timeout=60).moved == 4
+        got = store.get_many(keys[:4])
+        assert all(np.array_equal(g, c) for g, c in zip(got, small_chunks))
+
+
+def test_a_chunk_read_often_is_not_idle(tmp_path, shm_name, small_chunks, keys):
+    idle = {"after_s": 0.5, "scan_interval_s": 0.1}
+    with open_store(tmp_path, shm_name, idle_demotion=idle) as store:
+        for key, chunk in zip(keys[:2], small_chunks):
+            assert store.put(key, chunk).result(timeout=60) is True
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            assert store.get(keys[0]) is not None
+            time.sleep(0.1)
+        assert store.where(keys[0]) == "dram" and store.where(keys[1]) == "ssd"
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ({"prefetch": {"max_in_flight": 0}}, "prefetch.max_in_flight"),
+    ({"prefetch": {"depth": -1}}, "prefetch.depth"),
+    ({"prefetch": {"bound": 3}}, "prefetch.bound"),
+    ({"idle_demotion": {"after_s": "5"}}, "idle_demotion.after_s"),
+    ({"idle_demotion": {"scan_interval_s": 0}}, "idle_demotion.scan_interval_s"),
+])
+def test_bad_settings_name_their_key(tmp_path, shm_name, section, key):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.load({"tiers": tiers(tmp_path, shm_name), **section})
+    assert info.value.key == key
+
+
+def test_idle_demotion_needs_a_tier_below(tmp_path, shm_name):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.load({"tiers": tiers(tmp_path, shm_name)[:1], "idle_demotion": {"after_s": 5}})
+    assert info.value.key == "idle_demotion.after_s"
