@@ -39,6 +39,9 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
   key the store already holds (left by an earlier server process) announces it without
   rewriting it. Notifiers run on whichever thread saw the change (LMCache's caller, a task
   thread, a store worker); LMCache's listeners and event bus are thread-safe.
+* ``prefetch(keys)`` (the prefetch-hint server module's entry, :mod:`~kvshrink.storage_backends.prefetch_hints`)
+  queues store prefetches of ObjectKeys and returns at once; :func:`live_adapters` lists the
+  adapters open in this process (weakly held) for that module to find.
 * With ``index_url`` set, a :class:`~kvshrink.storage_backends.tier_reporter.TierReporter` hears
   the store's placement notices (and, for keys the store already held, the store task's) and
   LMCache's token bindings, and reports each chunk's medium to the index from its own thread:
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
@@ -78,6 +82,12 @@ log = logging.getLogger(__name__)
 PARAMS_PREFIX = "adapter_params."
 DEFAULT_WORKERS = 4
 _ALLOWED_PARAMS = {"config", "store", "workers", *REPORTER_KEYS}
+_LIVE: "weakref.WeakSet[KVShrinkL2Adapter]" = weakref.WeakSet()
+
+
+def live_adapters() -> list["KVShrinkL2Adapter"]:
+    """The adapters of this process that are open (for the prefetch-hint server module)."""
+    return [a for a in list(_LIVE) if not a._closed]
 
 
 class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
@@ -161,6 +171,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         self._store.add_drop_listener(self._announce_gone)
         if self._reporter is not None:
             self._store.add_placement_listener(self._reporter.notify)
+        _LIVE.add(self)
         log.info("KVShrinkL2Adapter ready: tiers %s", [t.name for t in config.store_config.tiers])
 
     # -- event fds ------------------------------------------------------------------------------
@@ -301,6 +312,12 @@ class KVShrinkL2Adapter(L2AdapterInterface):
             log.warning("KVShrinkL2Adapter: chunk %s not loaded: %s", store_key[:80], exc)
             return None
 
+    # -- prefetch hints -------------------------------------------------------------------------
+    def prefetch(self, keys: list["ObjectKey"]) -> Any:
+        """Queue the store's prefetch of ``keys`` (prefix order) up to its first tier; returns the
+        store's :class:`~kvshrink.store.prefetch.PrefetchHandle` at once (bounded, counted there)."""
+        return self._store.prefetch([encode_object_key(k) for k in keys])
+
     # -- eviction, listing, status -------------------------------------------------------------
     def delete(self, keys: list["ObjectKey"]) -> None:
         """Remove the chunks; LMCache hears ``deleted`` for those it had been told are stored
@@ -375,6 +392,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         try:
             self._runner.close()
             if self._reporter is not None:
