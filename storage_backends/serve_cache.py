@@ -9,6 +9,10 @@ The file has three sections::
     adapter:  {workers, index_url, index_instance_id, index_flush_interval, index_max_pending}
                                                # optional; index_*: report tiers to the index
     store:    {tiers: [...], engine: {...}}   # a store mapping, or the path of a store YAML
+    hints:    {host, port, auth_token_env, auth_token, model_name, max_body_bytes, max_tokens}
+                  # optional: the prefetch-hint endpoint (POST /v1/prefetch), an lmcache server module
+                  # (:mod:`~kvshrink.storage_backends.prefetch_hints`); loopback unless a token is set.
+                  # Prefer auth_token_env: the section is passed on the command line as written
 
 Everything is validated here first (``ConfigError`` names the key, e.g. ``store.tiers[1].path``;
 the SSD directory, /dev/shm room and Redis are checked too, creating nothing). Then one pure
@@ -43,7 +47,8 @@ if TYPE_CHECKING:
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 ADAPTER_CLASS = "KVShrinkL2Adapter"
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")  # lmcache server's choices
-_SECTIONS = {"server", "adapter", "store"}
+_SECTIONS = {"server", "adapter", "store", "hints"}
+HINTS_MODULE = "kvshrink.storage_backends.prefetch_hints"
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -121,6 +126,7 @@ class ServeCacheConfig:
     store: "StoreConfig"
     adapter_params: dict[str, Any]  # exactly what the adapter will receive
     server: ServerFlags = field(default_factory=ServerFlags)
+    hints: dict[str, Any] | None = None  # the hint module's config, as written (None: no hint endpoint)
 
     def l2_adapter_spec(self) -> dict[str, Any]:
         """The ``--l2-adapter`` JSON for ``lmcache server``."""
@@ -129,7 +135,13 @@ class ServeCacheConfig:
 
     def argv(self, python: str = sys.executable) -> list[str]:
         """What ``serve-cache`` runs (and ``--check`` prints)."""
-        return lmcache_server_argv(self.server, [self.l2_adapter_spec()], python)
+        from dataclasses import replace
+
+        server = self.server
+        if self.hints is not None:
+            module = json.dumps({"module_path": HINTS_MODULE, "config": self.hints})
+            server = replace(server, extra_args=("--server-module", module, *server.extra_args))
+        return lmcache_server_argv(server, [self.l2_adapter_spec()], python)
 
 
 def load_serve_config(path: "str | Path | None" = None, *, check_services: bool = True) -> ServeCacheConfig:
@@ -164,9 +176,15 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
         params["workers"] = workers_value(adapter["workers"], "adapter.workers")
     if ReporterSettings.from_params(adapter, "adapter.") is not None:  # validated here, passed on as written
         params.update({key: adapter[key] for key in REPORTER_KEYS if key in adapter})
+    hints = None
+    if data.get("hints") is not None:
+        from kvshrink.storage_backends.prefetch_hints import HintSettings
+
+        hints = dict(mapping_value(data["hints"], "hints"))
+        HintSettings.from_config(hints, "hints")  # validated here, passed on as written
     if check_services:
         preflight(store, prefix)
-    return ServeCacheConfig(store=store, adapter_params=params, server=server)
+    return ServeCacheConfig(store=store, adapter_params=params, server=server, hints=hints)
 
 
 # -- the command ----------------------------------------------------------------------------------

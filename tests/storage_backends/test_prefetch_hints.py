@@ -193,3 +193,26 @@ def test_settings_refuse_a_public_bind_without_a_token():
     with pytest.raises(ConfigError) as info:
         HintSettings.from_config({"prot": 1})
     assert info.value.key == "server_module.config.prot"
+
+
+def test_serve_cache_hints_section_adds_the_server_module(tmp_path, shm_name, monkeypatch):
+    import yaml
+
+    from kvshrink.storage_backends.serve_cache import HINTS_MODULE, load_serve_config
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"store": store_mapping(tmp_path, shm_name),
+                                    "hints": {"port": 8999, "auth_token_env": "HINT_TOKEN"}}))
+    with pytest.raises(ConfigError) as info:  # the token's variable must be set where the server starts
+        load_serve_config(path, check_services=False)
+    assert info.value.key == "hints.auth_token_env"
+    monkeypatch.setenv("HINT_TOKEN", "t")
+    argv = load_serve_config(path, check_services=False).argv()
+    module = json.loads(argv[argv.index("--server-module") + 1])
+    assert module == {"module_path": HINTS_MODULE, "config": {"port": 8999, "auth_token_env": "HINT_TOKEN"}}
+    path.write_text(yaml.safe_dump({"store": store_mapping(tmp_path, shm_name), "hints": {"host": "0.0.0.0"}}))
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(path, check_services=False)
+    assert info.value.key == "hints.auth_token"
+    path.write_text(yaml.safe_dump({"store": store_mapping(tmp_path, shm_name)}))
+    assert "--server-module" not in load_serve_config(path, check_services=False).argv()
