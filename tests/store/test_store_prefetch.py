@@ -194,3 +194,19 @@ def test_idle_demotion_needs_a_tier_below(tmp_path, shm_name):
     with pytest.raises(ConfigError) as info:
         StoreConfig.load({"tiers": tiers(tmp_path, shm_name)[:1], "idle_demotion": {"after_s": 5}})
     assert info.value.key == "idle_demotion.after_s"
+
+
+def test_prefetch_and_idle_counters_reach_prometheus_as_counters(tmp_path, shm_name):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvshrink.store import StoreCollector
+
+    with open_store(tmp_path, shm_name, idle_demotion={"after_s": 60}) as store:
+        store.prefetch([b"absent"]).wait(timeout=60)
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(store.stats))
+        text = generate_latest(registry).decode()
+    assert "# TYPE kvshrink_store_engine_prefetch_missing_total counter" in text
+    assert "kvshrink_store_engine_prefetch_missing_total 1.0" in text
+    assert "# TYPE kvshrink_store_engine_idle_demotions_total counter" in text
+    assert "# TYPE kvshrink_store_engine_prefetch_pending gauge" in text
