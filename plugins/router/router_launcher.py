@@ -57,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="environment variable holding the index's bearer token, if any")
     parser.add_argument("--index-backoff-s", type=float, default=1.0,
                         help="after an index failure, skip it this long")
+    parser.add_argument("--hint-targets", default=None,
+                        help='JSON object backend URL -> its cache server\'s hint URL, e.g. '
+                             '\'{"http://vllm-a:8000": "http://cache-a:8210"}\': send prefetch hints there '
+                             '(fire and forget) for requests whose prompt is token ids; default: no hints')
+    parser.add_argument("--hint-token-env", default="KVSHRINK_HINT_TOKEN",
+                        help="environment variable holding the hint endpoints' bearer token, if any")
+    parser.add_argument("--hint-timeout-ms", type=float, default=1000.0, help="deadline of one hint")
+    parser.add_argument("--hint-max-in-flight", type=int, default=32,
+                        help="hints in flight at most; beyond, hints are dropped and counted")
     parser.add_argument("router_args", nargs=argparse.REMAINDER,
                         help="arguments for vllm-router (after --), e.g. --service-discovery static ...")
 
@@ -122,8 +131,24 @@ def run(args: argparse.Namespace) -> int:
 
     from kvshrink.plugins.router.router_logic import KVShrinkRoutingLogic
 
+    hints = None
+    if args.hint_targets:
+        import json
+
+        from kvshrink.plugins.router.hints import HintSender
+
+        try:
+            targets = json.loads(args.hint_targets)
+            if not isinstance(targets, dict) or not all(isinstance(v, str) for v in targets.values()):
+                raise ValueError("expected a JSON object of URL strings")
+            hints = HintSender(targets, token=os.environ.get(args.hint_token_env) or None,
+                               timeout_s=args.hint_timeout_ms / 1000.0, max_in_flight=args.hint_max_in_flight)
+        except ValueError as exc:
+            print(f"kvshrink router: --hint-targets: {exc}", file=sys.stderr)
+            return 2
     logic = KVShrinkRoutingLogic(args.index_url, timeout_s=args.index_timeout_ms / 1000.0,
-                                 token=os.environ.get(args.index_token_env) or None, backoff_s=args.index_backoff_s)
+                                 token=os.environ.get(args.index_token_env) or None, backoff_s=args.index_backoff_s,
+                                 hints=hints)
     original = app_module.initialize_all
 
     def initialize_all(app, router_args):

@@ -22,6 +22,8 @@ it. Per request it:
    session id over the candidate URLs) when the request carries a session id (header or body key
    ``session_key``), else the least-loaded backend. After a failure the index is skipped for
    ``backoff_s`` so that an outage does not add the deadline to every request.
+3. with ``hints`` set (a :class:`~kvshrink.plugins.router.hints.HintSender`), tells the chosen
+   instance's cache server which prefix is coming (fire and forget, bounded; see that module).
 
 Dependencies: ``httpx``, ``msgspec`` and the standard library only, so it installs into the
 router's own environment (Python ≥ 3.12) with ``pip install --no-deps`` of this project plus those two.
@@ -103,12 +105,13 @@ class KVShrinkRoutingLogic:
 
     def __init__(self, index_url: str, *, timeout_s: float = 0.05, session_key: str | None = None,
                  token: str | None = None, backoff_s: float = 1.0,
-                 max_instance_failover_reroute_attempts: int = 0) -> None:
+                 max_instance_failover_reroute_attempts: int = 0, hints: Any = None) -> None:
         self.index_url = index_url.rstrip("/")
         self.timeout_s = timeout_s
         self.session_key = session_key
         self.backoff_s = backoff_s
         self.max_instance_failover_reroute_attempts = max_instance_failover_reroute_attempts
+        self.hints = hints  # a HintSender, or None: no prefetch hints
         self._headers = {"content-type": "application/msgpack"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -139,17 +142,21 @@ class KVShrinkRoutingLogic:
         request_json = request_json or {}
         model = request_json.get("model") or (endpoints[0].model_names[0] if endpoints[0].model_names else "")
         body = lookup_body(request_json, model)
+        chosen = None
         if body is not None and time.monotonic() >= self._skip_index_until:
             chosen = await self._ask_index(body, urls, loads)
             if chosen is not None:
                 self.decisions["index"] += 1
-                return chosen
         session_id = self.extract_session_id(request, request_json)
-        if session_id is not None:
+        if chosen is None and session_id is not None:
             self.decisions["session"] += 1
-            return rendezvous(session_id, urls)
-        self.decisions["least_loaded"] += 1
-        return min(urls, key=lambda url: (loads[url], urls.index(url)))
+            chosen = rendezvous(session_id, urls)
+        if chosen is None:
+            self.decisions["least_loaded"] += 1
+            chosen = min(urls, key=lambda url: (loads[url], urls.index(url)))
+        if self.hints is not None:
+            self.hints.send(chosen, request_json, session_id)
+        return chosen
 
     # -- the index ------------------------------------------------------------------------------
 
@@ -192,6 +199,8 @@ class KVShrinkRoutingLogic:
         return self._client
 
     async def aclose(self) -> None:
+        if self.hints is not None:
+            await self.hints.aclose()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

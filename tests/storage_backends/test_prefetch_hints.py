@@ -216,3 +216,33 @@ def test_serve_cache_hints_section_adds_the_server_module(tmp_path, shm_name, mo
     assert info.value.key == "hints.auth_token"
     path.write_text(yaml.safe_dump({"store": store_mapping(tmp_path, shm_name)}))
     assert "--server-module" not in load_serve_config(path, check_services=False).argv()
+
+
+def test_the_router_hints_the_chosen_instances_cache_server(server):
+    """production-stack routing logic (called as vllm_router calls it; the index is down, so it
+    falls back to least loaded), with a hint target for the backend: the routed request's prefix
+    moves to DRAM on that backend's cache server."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvshrink.plugins.router.hints import HintSender
+    from kvshrink.plugins.router.router_logic import KVShrinkRoutingLogic
+    from kvshrink.testing.launch import free_port
+
+    cache, url, tokens = server
+    backend = "http://127.0.0.1:18001"
+    hints = HintSender({backend: url}, token=TOKEN)
+    logic = KVShrinkRoutingLogic(f"http://127.0.0.1:{free_port()}", hints=hints)
+
+    async def route() -> str:
+        chosen = await logic.route_request([SimpleNamespace(url=backend, model_names=[MODEL])], {}, {}, None,
+                                           {"model": MODEL, "prompt": tokens, "max_tokens": 8})
+        await logic.aclose()  # waits for the hint in flight
+        return chosen
+
+    assert asyncio.run(route()) == backend
+    assert hints.counters == {"sent": 1}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and tiers_of(cache.status())["engine"]["prefetch_moved"] < 4:
+        time.sleep(0.2)
+    assert tiers_of(cache.status())["tiers"]["dram"]["chunks"] == 4
