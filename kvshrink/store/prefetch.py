@@ -21,8 +21,9 @@ one request (prefix order) to the store's :class:`Prefetcher` and returns a
   :data:`WAIT_S`), then reads the first tier; a key still queued is taken off the queue
   (``prefetch_cancelled``) and read by the reader itself, so no chunk is read twice for one request.
 * **Outcomes.** A key no tier holds (never cached, or evicted before its move ran) is
-  ``prefetch_missing``; a move that failed (the first tier refused the write) is counted
-  ``prefetch_errors`` and logged, the chunk stays where it was. A moved chunk later read from the
+  ``prefetch_missing``; one the first tier has no room for (what is there is pinned) is
+  ``prefetch_dropped``; a move that failed otherwise (the first tier refused the write) is counted
+  ``prefetch_errors`` and logged. Either way the chunk stays where it was. A moved chunk later read from the
   first tier counts ``prefetch_useful`` once; one evicted or demoted from it before any read counts
   ``prefetch_wasted`` (the last :data:`TRACKED` moved keys are remembered for this).
   :meth:`PrefetchHandle.cancel` (and store close) takes a hint's queued keys off the queue,
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 5.0  # longest a read waits for a running move of its key
 TRACKED = 65536  # moved, not yet read keys remembered for the useful / wasted counts
-OUTCOMES = ("moved", "present", "missing", "error", "cancelled")
+OUTCOMES = ("moved", "present", "missing", "dropped", "error", "cancelled")
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Prefetcher:
         self._move = move
         self._in_first = in_first
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified when nothing is queued or running
         self._queue: deque[tuple[bytes, PrefetchHandle]] = deque()
         self._queued: dict[bytes, PrefetchHandle] = {}  # key -> its hint, while queued
         self._running: dict[bytes, threading.Event] = {}  # key -> set when its move ended
@@ -157,6 +159,7 @@ class Prefetcher:
             keys = [k for k, h in self._queued.items() if h is handle]
             for key in keys:
                 del self._queued[key]
+            self._notify_if_idle()
         for key in keys:
             self._settle(handle, "cancelled")
         self.counters.add("prefetch_cancelled", len(keys))
@@ -177,6 +180,7 @@ class Prefetcher:
                 event = self._running.get(key)
                 if event is not None:
                     waits.append(event)
+            self._notify_if_idle()
         for handle in taken:
             self._settle(handle, "cancelled")
         self.counters.add("prefetch_cancelled", len(taken))
@@ -208,6 +212,11 @@ class Prefetcher:
         with self._lock:
             self._moved.pop(key, None)
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no move is queued or running (``TieredStore.flush``); False on timeout."""
+        with self._settled:
+            return self._settled.wait_for(lambda: not self._queued and not self._running, timeout)
+
     def busy(self, key: bytes) -> bool:
         """Whether a move of ``key`` is queued or running."""
         return key in self._queued or key in self._running
@@ -225,6 +234,7 @@ class Prefetcher:
             items = [(k, h) for k, h in self._queued.items()]
             self._queued.clear()
             self._queue.clear()
+            self._notify_if_idle()
         for _, handle in items:
             self._settle(handle, "cancelled")
         self.counters.add("prefetch_cancelled", len(items))
@@ -271,16 +281,22 @@ class Prefetcher:
         with self._lock:
             self._running.pop(key).set()
             self._active -= 1
+            self._notify_if_idle()
             if outcome == "moved":
                 self._moved.pop(key, None)
                 self._moved[key] = None
                 while len(self._moved) > TRACKED:
                     del self._moved[next(iter(self._moved))]
         counter = {"moved": "prefetch_moved", "missing": "prefetch_missing", "error": "prefetch_errors",
-                   "present": "prefetch_skipped"}.get(outcome)
+                   "present": "prefetch_skipped", "dropped": "prefetch_dropped"}.get(outcome)
         if counter:
             self.counters.add(counter)
         self._settle(handle, outcome)
+
+    def _notify_if_idle(self) -> None:
+        """Wake ``wait_idle`` callers once nothing is queued or running (call with the lock held)."""
+        if not self._queued and not self._running:
+            self._settled.notify_all()
 
     @staticmethod
     def _settle(handle: PrefetchHandle, outcome: str) -> None:

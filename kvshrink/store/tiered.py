@@ -57,7 +57,7 @@ from kvshrink.store.ledger import PUMP_RETRY_S, CopyLedger, Move, Parked  # noqa
 from kvshrink.store.idle import IdleDemoter, IdleTracker
 from kvshrink.store.placements import PlacementListener, PlacementListeners
 from kvshrink.store.prefetch import PrefetchHandle, Prefetcher
-from kvshrink.store.tier_base import Tier, check_key
+from kvshrink.store.tier_base import Tier, TierFullError, check_key
 from kvshrink.store import tier_codecs
 
 log = logging.getLogger(__name__)
@@ -495,7 +495,8 @@ class TieredStore:
     def _prefetch_move(self, key: bytes) -> str:
         """One prefetch move (on a prefetch thread): the chunk read from the fastest lower tier
         holding it and written into the first tier as a promotion (an exclusive source lets go of
-        its copy once it landed). ``moved``, ``present`` or ``missing``; a refused write raises."""
+        its copy once it landed). ``moved``, ``present``, ``missing`` or ``dropped`` (no room: the
+        first tier is full of pinned chunks); any other refused write raises."""
         if self.tiers[0].contains(key):
             return "present"
         move = self._ledger.begin(key)
@@ -509,8 +510,11 @@ class TieredStore:
                 frame = self.tiers[index].read_frame(key)
                 if frame is None:
                     continue  # evicted meanwhile, or not there (a remote tier is asked only here)
-                landed = self._write(0, key, tier_codecs.convert(frame, self.tiers[0]), lost, move,
-                                     promoted_from=index)
+                try:
+                    landed = self._write(0, key, tier_codecs.convert(frame, self.tiers[0]), lost, move,
+                                         promoted_from=index)
+                except TierFullError:
+                    return "dropped"  # the tier logged and counted it; the chunk stays below
                 return "moved" if landed else "missing"
             return "missing"
         finally:
@@ -529,11 +533,14 @@ class TieredStore:
                     return "pinned"
                 if not self.tiers[0].contains(key):
                     return "gone"
-                self._demote(0, self._capture(0, [key]), lost)
+                captured = self._capture(0, [key])
+                self._demote(0, captured, lost)
                 if not (self._holds_current(1, key) or self._ledger.parked_frame(key, 1) is not None):
                     return "failed"  # the tier below refused it (counted there): it stays here
-                with self._lock:  # lock() pins under this lock: pinned from now on, it stays here too
+                with self._lock:  # lock() pins under this lock: pinned from now on, it stays here
                     if key in self._pins:
+                        if captured[0][1] is not None and 1 in self._local:
+                            self.tiers[1].delete(key)  # the copy this made: the chunk stays in one tier
                         return "pinned"
                     self.tiers[0].delete(key)
         finally:
@@ -822,8 +829,11 @@ class TieredStore:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every put and background job queued so far (and the write-backs they
         queue) has finished, and parked chunks had one more try at their remote tier (those it
-        refuses stay parked, readable); TimeoutError after ``timeout`` seconds."""
+        refuses stay parked, readable), and prefetch moves queued so far; TimeoutError after
+        ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._prefetch.wait_idle(timeout):
+            raise TimeoutError(f"store flush: prefetch moves still running after {timeout} s")
         lanes = (self.engine.puts, self.engine.background)
         pumped = False
         while True:
