@@ -39,6 +39,10 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
   key the store already holds (left by an earlier server process) announces it without
   rewriting it. Notifiers run on whichever thread saw the change (LMCache's caller, a task
   thread, a store worker); LMCache's listeners and event bus are thread-safe.
+* The store's counters (tiers, engine, ``prefetch_*``, ``idle_*``) are also registered with
+  ``prometheus_client``'s default registry (:class:`~kvshrink.store.stats.StoreCollector`, read at
+  scrape time), which LMCache's ``/metrics`` serves, as ``kvshrink_store_*``; a second adapter in
+  one process is not registered (logged).
 * ``prefetch(keys)`` (the prefetch-hint server module's entry, :mod:`~kvshrink.storage_backends.prefetch_hints`)
   queues store prefetches of ObjectKeys and returns at once; :func:`live_adapters` lists the
   adapters open in this process (weakly held) for that module to find.
@@ -171,6 +175,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         self._store.add_drop_listener(self._announce_gone)
         if self._reporter is not None:
             self._store.add_placement_listener(self._reporter.notify)
+        self._collector = _register_metrics(self._store)
         _LIVE.add(self)
         log.info("KVShrinkL2Adapter ready: tiers %s", [t.name for t in config.store_config.tiers])
 
@@ -393,6 +398,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
             return
         self._closed = True
         _LIVE.discard(self)
+        _unregister_metrics(self._collector)
         try:
             self._runner.close()
             if self._reporter is not None:
@@ -400,6 +406,32 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         finally:
             self._store.close()
         log.info("KVShrinkL2Adapter closed")
+
+
+def _register_metrics(store: Any) -> Any:
+    """A StoreCollector for ``store`` on prometheus_client's default registry, or None."""
+    try:
+        from prometheus_client import REGISTRY
+
+        from kvshrink.store import StoreCollector
+
+        collector = StoreCollector(store.stats)
+        REGISTRY.register(collector)
+        return collector
+    except (ImportError, ValueError) as exc:  # ValueError: another store's collector holds the names
+        log.info("KVShrinkL2Adapter: store counters not exported to Prometheus: %s", exc)
+        return None
+
+
+def _unregister_metrics(collector: Any) -> None:
+    if collector is None:
+        return
+    from prometheus_client import REGISTRY
+
+    try:
+        REGISTRY.unregister(collector)
+    except KeyError:
+        pass
 
 
 def _put_succeeded(future: Future) -> bool:

@@ -30,7 +30,8 @@ HTTP API (JSON; errors are ``{"error": code, "field": name-or-null, "detail": te
                        Fire and forget: the reply
                        comes once the chunks are queued, not moved. 400 names the bad field,
                        401 without the bearer token, 413 over ``max_body_bytes`` /
-                       ``max_tokens``, 503 when the server has no KVShrink L2 adapter.
+                       ``max_tokens``, 503 when the server has no KVShrink L2 adapter (or is
+                       closing it).
 ``GET /v1/prefetch/stats``  the hint counters and the store's ``prefetch_*`` counters.
 ``GET /healthz``       liveness (never authenticated).
 
@@ -64,7 +65,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvshrink.config_checks import int_value, mapping_value, port_value
-from kvshrink.errors import ConfigError, KVShrinkError
+from kvshrink.errors import ConfigError, KVShrinkError, StoreClosedError
 
 if TYPE_CHECKING:
     from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext
@@ -209,7 +210,10 @@ class PrefetchHintModule:
         keys, chunks = self._object_keys(hint, model)
         totals = Counter()
         for adapter in adapters:
-            result = adapter.prefetch(keys).result
+            try:
+                result = adapter.prefetch(keys).result
+            except StoreClosedError as exc:  # the server is shutting down
+                raise HintRefused(503, "store_closed", str(exc)) from None
             totals.update(queued=result.queued, skipped=result.skipped, dropped=result.dropped)
         self._count(hints=1, hint_chunks=chunks)
         return {"session_id": hint.session_id, "model_name": model, "chunks": chunks, "keys": len(keys),

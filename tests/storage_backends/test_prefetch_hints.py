@@ -108,6 +108,8 @@ def test_a_hint_moves_the_sessions_chunks_from_ssd_to_dram(server):
     stats = httpx.get(f"{url}/v1/prefetch/stats", headers=AUTH, timeout=10).json()
     assert stats["hints"] == 2 and stats["store"]["prefetch_moved"] == 4
     assert "kvshrink_prefetch_hints" in json.dumps(cache.status())
+    metrics = httpx.get(f"{cache.http_url}/metrics", timeout=10).text
+    assert "kvshrink_store_engine_prefetch_moved_total 4.0" in metrics, metrics[-2000:]
 
 
 @pytest.mark.parametrize(("body", "status", "field"), [
