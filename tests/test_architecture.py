@@ -35,6 +35,7 @@ LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.configs": "configs",
     "kvshrink.index": "index",
     "kvshrink.cascade": "cascade",
+    "kvshrink.fuse": "fuse",
     "kvshrink.storage_backends": "backends",
     "kvshrink.plugins": "plugins",  # the package of the two below; its __init__ imports nothing
     "kvshrink.plugins.vllm": "vllm",
@@ -50,6 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "configs": {"store"},
     "index": set(),
     "cascade": {"store"},  # a TieredStore may keep condensations
+    "fuse": set(),  # torch + transformers only
     "backends": {"configs", "store", "codec"},
     "plugins": set(),
     "vllm": {"backends", "configs", "store", "codec"},
