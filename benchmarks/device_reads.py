@@ -9,7 +9,7 @@ Without this every SSD read of a benchmark that reads what it just wrote comes f
 * :func:`sequential_read_gbps` — the device's own speed, measured in the same run: a file written,
   synced, dropped from the cache and read back in 4 MiB reads;
 * :func:`throttled_reads` — a cgroup v1 ``blkio`` group whose ``blkio.throttle.read_bps_device``
-  caps this process's reads of the folder's device (network-attached volumes read at
+  caps some processes' reads of the folder's device (network-attached volumes read at
   0.25-1 GB/s). Needs root and the v1 blkio controller; :class:`DeviceUnavailable` says so where
   either is missing. Buffered reads are throttled there too (they are issued by the reading
   thread); writes are not, which is why only loads are measured under it.
@@ -81,14 +81,15 @@ def device_of(folder: Path) -> str:
 
 
 @contextlib.contextmanager
-def throttled_reads(folder: Path, bytes_per_s: int) -> Iterator[str]:
-    """While inside, this process reads ``folder``'s device at ``bytes_per_s`` at most; yields the
-    device (``major:minor``). The process goes back to its own group on exit, also after an error."""
+def throttled_reads(folder: Path, bytes_per_s: int, pids: Sequence[int] = ()) -> Iterator[str]:
+    """While inside, the processes ``pids`` (default: this one) read ``folder``'s device at
+    ``bytes_per_s`` at most, together; yields the device (``major:minor``). Each process goes back
+    to the group it came from on exit, also after an error."""
     if not (BLKIO / "blkio.throttle.read_bps_device").exists():
         raise DeviceUnavailable(f"no cgroup v1 blkio controller at {BLKIO}")
     device = device_of(folder)
     group = BLKIO / f"kvshrink-{uuid.uuid4().hex[:8]}"
-    home = _own_blkio_group()
+    homes = {pid: _blkio_group_of(pid) for pid in (pids or [os.getpid()])}
     try:
         group.mkdir()
     except OSError as exc:
@@ -96,13 +97,15 @@ def throttled_reads(folder: Path, bytes_per_s: int) -> Iterator[str]:
     try:
         try:
             (group / "blkio.throttle.read_bps_device").write_text(f"{device} {bytes_per_s}\n")
-            (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            for pid in homes:
+                (group / "cgroup.procs").write_text(f"{pid}\n")
         except OSError as exc:
             raise DeviceUnavailable(f"cannot throttle reads of device {device}: {exc}") from exc
         yield device
     finally:
-        with contextlib.suppress(OSError):
-            (home / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        for pid, home in homes.items():
+            with contextlib.suppress(OSError):  # a process that has exited meanwhile
+                (home / "cgroup.procs").write_text(f"{pid}\n")
         for _ in range(50):  # the group is removable once the kernel has moved every thread out
             try:
                 group.rmdir()
@@ -111,8 +114,8 @@ def throttled_reads(folder: Path, bytes_per_s: int) -> Iterator[str]:
                 time.sleep(0.02)
 
 
-def _own_blkio_group() -> Path:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+def _blkio_group_of(pid: int) -> Path:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "blkio" in controllers.split(","):
             return BLKIO / path.lstrip("/")

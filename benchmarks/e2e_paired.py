@@ -98,6 +98,7 @@ class Arrangement:
     shm_name: str | None = None
     disk: Path | None = None
     l1_headroom_mib: float = 0.0
+    extra_adapters: tuple[dict[str, Any], ...] = ()  # more L2 adapters after ``adapter`` (LMCache stores to all)
 
     @property
     def l1_size_mib(self) -> float:
@@ -196,19 +197,19 @@ class Stack:
         self._starts += 1
         self.arrangement = arrangement
         self.server = LMCacheServer(port=self.port, l1_size_gb=arrangement.l1_size_mib / 1024,
-                                    l2_adapters=[arrangement.adapter],
+                                    l2_adapters=[arrangement.adapter, *arrangement.extra_adapters],
                                     chunk_size=self.chunk_tokens, extra_args=arrangement.server_args(),
                                     log_path=self.server_log,
                                     env={"LMCACHE_LOG_LEVEL": "INFO"})
         self.server.launch()
         self.port = self.server.port
 
-    def launch_vllm(self, model: Path) -> None:
+    def launch_vllm(self, model: Path, max_model_len: int = 4096) -> None:
         from kvshrink.testing.launch import VLLMServer
         from kvshrink.testing.mp_observe import connector_config_with_heartbeat
 
         self.vllm = VLLMServer(model, kv_transfer_config=connector_config_with_heartbeat(self.server),
-                               served_model_name="smollm2", extra_args=ENGINE_ARGS, max_model_len=4096,
+                               served_model_name="smollm2", extra_args=ENGINE_ARGS, max_model_len=max_model_len,
                                kv_cache_space_gb=1,  # ~45K tokens of bf16 KV: the longest request needs 2.5K
                                log_path=self.log_dir / f"vllm-{self.key}.log")
         self.vllm.launch()

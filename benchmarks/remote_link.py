@@ -104,11 +104,11 @@ def limited_link(rate_mbit: int) -> Iterator[Link]:
 
 
 @contextlib.contextmanager
-def redis_across(link: Link, workdir: Path) -> Iterator[Any]:
+def redis_across(link: Link, workdir: Path, port: int = REDIS_PORT) -> Iterator[Any]:
     """A fresh ``redis-server`` on the far end of ``link`` (no persistence: the link is measured)."""
     from kvshrink.testing.launch import RedisServer
 
-    server = RedisServer(workdir, port=REDIS_PORT, host=link.peer_ip, netns=link.netns, maxmemory="4gb",
+    server = RedisServer(workdir, port=port, host=link.peer_ip, netns=link.netns, maxmemory="4gb",
                          extra_args=("--appendonly", "no", "--protected-mode", "no"),  # a private namespace
                          log_path=workdir / "redis.log")
     try:

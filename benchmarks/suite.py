@@ -3,7 +3,9 @@
 Sections (``--sections``, default all): ``codec`` (ratio and GB/s on real SmolLM2 KV),
 ``capacity`` (agent-trace hit rate vs cache budget through LMCache's in-process storage stack),
 ``throughput`` (L2 adapter store / load GB/s, DRAM and SSD tiers, 1 and 2 threads), ``e2e``
-(paired stacks of vLLM CPU + SmolLM2 through ``lmcache server``: hot-path TTFT, restart, agent replay per budget).
+(paired stacks of vLLM CPU + SmolLM2 through ``lmcache server``: hot-path TTFT, restart, agent replay per budget),
+``tiers`` (full runs only: warm TTFT from SSD at device speed and throttled, from Redis across a shaped
+link, and on a second node from the shared tier; ``tier_ttft``).
 
 Our side runs the shipped default store (``configs/store-default.yaml``; ``--store-config`` names
 another file) in every section with a store, each section moving and resizing it only (paths,
@@ -26,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-SECTION_NAMES = ("codec", "capacity", "throughput", "e2e")
+SECTION_NAMES = ("codec", "capacity", "throughput", "e2e", "tiers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,9 +122,9 @@ def run_suite(sections: Sequence[str], mode: str, out_dir: Path, store_config: P
 
 def execution_order(sections: Sequence[str]) -> list[str]:
     """Timed sections first, on a quiet machine; then the capacity replay, which measures no time,
-    while e2e's vLLM starts up; e2e last."""
-    first = [s for s in sections if s not in ("capacity", "e2e")]
-    return first + [s for s in ("capacity", "e2e") if s in sections]
+    while e2e's vLLM starts up; e2e, then tiers (its own vLLM stacks, started once e2e's are gone)."""
+    first = [s for s in sections if s not in ("capacity", "e2e", "tiers")]
+    return first + [s for s in ("capacity", "e2e", "tiers") if s in sections]
 
 
 def _launch_e2e_engine(ctx: Any, errors: list[dict[str, Any]]) -> None:

@@ -31,6 +31,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         # its 15 minutes and was too small to show anything (stock 37.0 %, ours 33.9 % hit); the full
         # run has the replay (e2e_paired.PairedSettings)
         "e2e": {"hot_pairs": 5, "hot_prompt_tokens": 512, "fractions": ()},
+        # three cold 4K prefills (~2 min each on 2 AVX2 cores): more than --quick's budget
+        "tiers": {},
     },
     "full": {
         "codec": {"samples": 8, "repeats": 15},
@@ -40,6 +42,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "throughput": {"keys_per_submit": 8, "rounds": 3, "threads": (1, 2), "link_mbit": (1000, 10000),
                        "ssd_reads": ("device", "500 MB/s device", "250 MB/s device")},
         "e2e": {"hot_pairs": 12},  # the trace and budgets: e2e_paired.PairedSettings
+        "tiers": {"prompt_tokens": 4096, "pairs": 10},  # tier_ttft.TierTTFTSettings
     },
 }
 HIT_RATE_TARGET = 0.80
@@ -434,8 +437,63 @@ def _e2e_hot_rows(section: Section, result: Any) -> None:
         section.notes.append(f"hot path: requests that did not hit as expected (LMCache's counters): {missed}")
 
 
+# -- 5. TTFT where bytes are the bottleneck -----------------------------------------------------------
+def tiers(ctx: Context) -> Section:
+    """``tier_ttft``: warm TTFT from SSD at device speed and on a slower device class, from a remote
+    tier across a shaped link, and on a second node from the shared tier (full runs only)."""
+    from kvshrink.benchmarks import tier_ttft as tt
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+
+    preset = ctx.preset("tiers")
+    if not preset:
+        return Section(notes=["tiers: not in --quick (three cold 4K-token prefills, ~2 minutes each on 2 AVX2 "
+                              "cores); kvshrink bench without --quick runs it"])
+    with ctx.bar(total=None, desc="TTFT by tier", unit="step", leave=False) as bar:
+        def progress(text: str) -> None:
+            bar.set_postfix_str(text)
+            bar.update()
+
+        result = tt.TierTTFT(ensure_checkpoint(), tt.TierTTFTSettings(**preset), ctx.store_template,
+                             ctx.out_dir / "logs", progress).run()
+    return tiers_section(result)
+
+
+def tiers_section(result: dict[str, Any]) -> Section:
+    """Rows (median TTFT of each side), targets and notes of one ``tier_ttft`` run."""
+    section = Section(figures=result, store_config=result["store_config"], notes=list(result["notes"]))
+    settings = result["settings"]
+    workload = Workload(result["prompt"], result["model"], {k: settings[k] for k in ("prompt_tokens", "chunk_tokens",
+                                                                                     "l1_mib")})
+    for row in result["rows"]:
+        r = row["ratio"]
+        detail = f"median of {r['pairs']} ratios {r['median']:.3f} (95 % {r['low']:.3f}-{r['high']:.3f}): {row['verdict']}"
+        if row["name"] == "cross-node":
+            section.target(f"cross-node: node B's TTFT from the shared tier <= {row['target']}x cold at "
+                           f"{settings['prompt_tokens']} tokens", row["verdict"] == "met",
+                           f"{detail}; B's first request {r['first_request']:.3f}x")
+            continue
+        stock_key, ours_key = row["policies"]
+        sides = [SideRun(side, workload, {"ttft_s": statistics.median(x["ttft_s"] for x in row[samples])},
+                         policy=TierPolicy(**row["policies"][key]))
+                 for side, samples, key in ((STOCK, "stock", stock_key), (OURS, "ours", ours_key))]
+        section.comparisons += compare("TTFT by tier", f"{row['name']}: {row['label']}", *sides,
+                                       [Metric("ttft_s", "s", False)])
+        if row["target"] is not None:
+            section.target(f"{row['name']}: warm TTFT ours / stock <= {row['target']} at {settings['prompt_tokens']} "
+                           "tokens", row["verdict"] == "met", detail)
+    if "redis_bytes_per_token" in result:
+        b = result["redis_bytes_per_token"]
+        section.notes.append(f"bytes the prefill's stores added to Redis per cached token: stock {b[STOCK]:.0f}, ours "
+                             f"{b[OURS]:.0f} ({b[OURS] / b[STOCK]:.3f}x)")
+    section.notes.append(f"TTFT by tier: a {settings['prompt_tokens']}-token prompt prefilled once per stack, then "
+                         "requested again with LMCache's L1 cleared before every request (pairs in alternating "
+                         "order, both sides alike); device rows also count each cache server's own reads from the "
+                         "disk (/proc/<pid>/io)")
+    return section
+
+
 SECTIONS: dict[str, Callable[[Context], Section]] = {"codec": codec, "capacity": capacity, "throughput": throughput,
-                                                     "e2e": e2e}
+                                                     "e2e": e2e, "tiers": tiers}
 
 
 def loadavg() -> list[float]:

@@ -143,14 +143,20 @@ def _signal_group(pid: int, sig: int) -> None:
 def _group_alive(pgid: int) -> bool:
     """Whether a live (non-zombie) process of the group remains; reads /proc, since a container's
     init may never reap the zombies that ``killpg(pgid, 0)`` would still count."""
+    return bool(group_pids(pgid))
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of process group ``pgid``, from /proc."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "comm)": state, ppid, pgrp
-            return True
-    return False
+            out.append(int(stat.parent.name))
+    return out
 
 
 def _http_ok(url: str) -> bool:

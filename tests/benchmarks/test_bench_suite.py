@@ -31,7 +31,8 @@ def test_a_failing_section_reports_its_error_not_a_table(tmp_path: Path, capsys:
 def test_timed_sections_run_first_and_the_report_keeps_the_documented_order() -> None:
     from kvshrink.benchmarks.suite import SECTION_NAMES, execution_order
 
-    assert execution_order(SECTION_NAMES) == ["codec", "throughput", "capacity", "e2e"]
+    assert execution_order(SECTION_NAMES) == ["codec", "throughput", "capacity", "e2e", "tiers"]
+    assert execution_order(["tiers", "codec"]) == ["codec", "tiers"]
     assert execution_order(["e2e", "codec"]) == ["codec", "e2e"]
 
 

@@ -44,3 +44,34 @@ def test_every_file_under_the_folders_leaves_the_page_cache(tmp_path: Path) -> N
     assert all(_resident_pages(p) > 0 for p in files)
     assert dr.drop_cached([tmp_path]) == 2
     assert [_resident_pages(p) for p in files] == [0, 0]
+
+
+def test_other_processes_are_capped_together_and_go_back(tmp_path: Path) -> None:
+    """What the TTFT rows do to both cache servers: another process's reads capped, then home."""
+    data = tmp_path / "data"
+    data.write_bytes(b"\x5a" * (48 << 20))
+    dr.drop_cached([tmp_path])
+    reader = subprocess.Popen(["sh", "-c", "read _; dd if=\"$0\" of=/dev/null bs=4M 2>&1", str(data)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with dr.throttled_reads(tmp_path, 100 * 10**6, [reader.pid]):
+            assert "kvshrink-" in Path(f"/proc/{reader.pid}/cgroup").read_text()
+            assert "kvshrink-" not in _blkio_group()  # this process was not moved
+            out, _ = reader.communicate("go\n", timeout=60)
+    except dr.DeviceUnavailable as exc:
+        reader.kill()
+        pytest.skip(f"no blkio throttling here: {exc}")
+    seconds = float(out.split(" s, ")[0].rsplit(",", 1)[1])  # dd: "... bytes (...) copied, 0.48 s, 105 MB/s"
+    assert (48 << 20) / seconds <= 125 * 10**6, out
+    assert not list(dr.BLKIO.glob("kvshrink-*"))
+
+
+def test_a_process_that_exits_inside_does_not_fail_the_exit(tmp_path: Path) -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        with dr.throttled_reads(tmp_path, 100 * 10**6, [child.pid]):
+            child.kill()
+            child.wait()
+    except dr.DeviceUnavailable as exc:
+        pytest.skip(f"no blkio throttling here: {exc}")
+    assert not list(dr.BLKIO.glob("kvshrink-*"))

@@ -1,0 +1,402 @@
+"""TTFT on vLLM where bytes are the bottleneck: warm from SSD at device speed, from a remote tier
+across a shaped link, and on a second node from the shared tier -- ours vs stock LMCache.
+
+A 4K-token prompt (real text), prefilled once per stack, then requested again with LMCache's L1
+cleared before every request, so each one loads its KV from the tier under test. Stacks are
+``e2e_paired.Stack``: a real ``lmcache server`` with its own vLLM CPU (SmolLM2 bf16, prefix cache
+off), TTFT = the first streamed token, hits from LMCache's own counters. Each row is a set of pairs
+in alternating order; its ratio is the median of the paired ratios with a 95 % bootstrap interval,
+and a verdict only where the interval clears the target.
+
+* **SSD** (``ssd``: the shipped default store, ``configs/store-default.yaml``, vs stock's
+  ``fs_native`` on the same disk): both cache servers restarted after the prefill, so ours reads
+  its SSD tier (its DRAM arena is gone; a clean close copied it down) and stock its files; the
+  device rows run against stock's ``fs_native`` buffered and with ``use_odirect`` (the same files),
+  and each keeps stock's better one, named in its label. Rows:
+  ``page cache`` (what was just read, memory speed: labelled), ``device`` (both sides' files
+  dropped from the page cache before every request, ``device_reads.drop_cached``; the disk's own
+  sequential read speed measured in the same run) and ``<N> MB/s device`` (also both cache
+  servers' reads capped together with a cgroup v1 blkio throttle: a network-attached volume class).
+* **remote** (labelled: ours runs the Redis tier of ``configs/store-dram-ssd-redis.yaml`` alone):
+  each side's own ``redis-server`` in a network namespace behind a veth pair shaped with ``tc`` to
+  ``link_mbit`` each way; stock = LMCache's RESP adapter. Stock's Redis was filled by stock's own
+  prefill (its L2 adapters: ``fs_native`` and RESP, LMCache stores to both), ours' by another node:
+* **cross-node**: node A (ours: the shipped default + a Redis-tier adapter) prefills the prompt;
+  node B (its own cache server and vLLM, nothing local, the same Redis) serves it from the shared
+  tier. B's first request is the cross-node row (hits on B, output equal to A's cold output), and
+  it is compared with the cold TTFT of the same prompt on A (same engine, same settings).
+
+Needs root for the throttle and the namespaces; rows this machine cannot run are skipped with the
+reason. Cold prefills dominate: ~2 minutes each at 4K tokens on 2 AVX2 cores, three of them.
+
+    sudo python -m kvshrink.benchmarks.tier_ttft --out /tmp/tier-ttft
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from kvshrink.benchmarks import device_reads as dr
+from kvshrink.benchmarks import remote_link as rl
+from kvshrink.benchmarks.comparison import OURS, STOCK, TierPolicy
+from kvshrink.benchmarks.e2e_paired import (Arrangement, E2EError, Sample, Stack, corpus_tokens, ours_adapter, rotated,
+                                            reconfigure, stock_fs_native)
+from kvshrink.benchmarks.paired_stats import paired_ratio, verdict
+
+SSD_DEVICE_TARGET = 1.0  # ours / stock warm-from-SSD TTFT, cache dropped, this disk
+SSD_SLOW_TARGET = 0.80  # the same on the throttled device class (we read ~0.68x the bytes)
+CROSS_NODE_TARGET = 0.35  # node B from the shared tier / cold
+STOCK_REDIS_PORT, OURS_REDIS_PORT = 6379, 6380
+
+
+@dataclass(frozen=True)
+class TierTTFTSettings:
+    prompt_tokens: int = 4096
+    pairs: int = 10
+    chunk_tokens: int = 256  # LMCache's default
+    l1_mib: float = 512  # room for the prompt's chunks while they load; cleared before every request
+    throttle_mb_s: tuple[int, ...] = (500,)
+    link_mbit: int = 1000
+    max_tokens: int = 8
+
+
+@dataclass
+class Row:
+    """One measured row: paired samples of both sides and the verdict against its target."""
+
+    name: str
+    label: str
+    stock: list[dict[str, Any]]
+    ours: list[dict[str, Any]]
+    target: float | None = None
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)  # stack key -> its TierPolicy, as run
+    stock_variants: dict[str, Any] = field(default_factory=dict)  # stock's other settings' runs of this row
+    ratio: dict[str, Any] = field(default_factory=dict)
+    verdict: str = "reported"
+
+    def settle(self) -> "Row":
+        r = paired_ratio([x["ttft_s"] for x in self.ours], [x["ttft_s"] for x in self.stock]).as_dict()
+        self.ratio = r
+        if self.target is not None:
+            self.verdict = verdict({"low": r["low"], "high": r["high"]}, self.target)
+        return self
+
+
+def _prompt(model: Path, tokens: int) -> list[int]:
+    ids = corpus_tokens(model, "code")
+    if tokens > len(ids):
+        raise E2EError(f"the code corpus has {len(ids)} tokens, not enough for a {tokens}-token prompt")
+    return ids[:tokens]
+
+
+def _resp(server: Any) -> dict[str, Any]:
+    return rl.stock_spec(server)
+
+
+def _ours_remote(server: Any) -> dict[str, Any]:
+    from kvshrink.storage_backends.mp_l2_adapter import DEFAULT_WORKERS
+
+    return rl.ours_spec(server, DEFAULT_WORKERS)
+
+
+class TierTTFT:
+    """The three stacks and the phases; ``run`` returns a JSON-able dict and never leaves a
+    process, namespace or throttle group behind."""
+
+    def __init__(self, model: Path, settings: TierTTFTSettings = TierTTFTSettings(), template: Path | None = None,
+                 log_dir: Path | None = None, progress: Callable[[str], None] = lambda s: None) -> None:
+        self.model, self.settings, self.template, self.progress = model, settings, template, progress
+        self.root = Path(tempfile.mkdtemp(prefix="kvshrink-tier-ttft-"))
+        self.log_dir = Path(log_dir or self.root / "logs")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        chunk = settings.chunk_tokens
+        self.stock = Stack("stock", STOCK, self.root, self.log_dir, chunk)
+        self.ours = Stack("ours", OURS, self.root, self.log_dir, chunk)  # node A
+        self.node_b = Stack("ours-node-b", OURS, self.root, self.log_dir, chunk)
+        self.stacks = [self.stock, self.ours, self.node_b]
+        self.notes: list[str] = []
+        self.redis: dict[str, Any] = {}  # side -> its redis-server behind the link
+
+    # -- arrangements ----------------------------------------------------------------------------
+    def _stock_ssd(self, *extra: dict[str, Any], odirect: bool = False) -> Arrangement:
+        disk = self.stock.workdir / "l2"
+        adapter = {**stock_fs_native(disk, 4096), "use_odirect": odirect}
+        how = "fs_native O_DIRECT" if odirect else "fs_native"
+        return Arrangement(self.settings.l1_mib, adapter,
+                           TierPolicy(f"stock: L1 {self.settings.l1_mib:.0f} MiB (cleared) + {how}", "inclusive",
+                                      self.settings.l1_mib, True), disk=disk, extra_adapters=tuple(extra))
+
+    def _ours_ssd(self, *extra: dict[str, Any]) -> Arrangement:
+        disk = self.ours.workdir / "l2"
+        return Arrangement(self.settings.l1_mib, ours_adapter(disk, self.ours.shm_name, 1024, 4096, self.template),
+                           TierPolicy(f"KVShrink: L1 {self.settings.l1_mib:.0f} MiB (cleared) + shipped default store",
+                                      "exclusive", self.settings.l1_mib, False), shm_name=self.ours.shm_name,
+                           disk=disk, extra_adapters=tuple(extra))
+
+    def _remote(self, adapter: dict[str, Any], who: str) -> Arrangement:
+        return Arrangement(self.settings.l1_mib, adapter,
+                           TierPolicy(f"{who}: L1 {self.settings.l1_mib:.0f} MiB (cleared) + Redis across the link",
+                                      "single", self.settings.l1_mib, False))
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from kvshrink.benchmarks.comparison import digest, model_fingerprint
+        from kvshrink.configs import store_record
+
+        s = self.settings
+        prompt = _prompt(self.model, s.prompt_tokens)
+        out: dict[str, Any] = {"settings": asdict(s), "prompt": digest(prompt), "model": model_fingerprint(self.model),
+                               "store_config": store_record(self.template), "rows": [], "notes": self.notes}
+        try:
+            with contextlib.ExitStack() as stack:
+                redis = self.redis = self._remote_servers(stack)
+                self._launch(redis)
+                before = {side: _redis_usage(server) for side, server in redis.items()}
+                cold = self._cold(prompt)
+                out["cold_ttft_s"] = {k: v.ttft_s for k, v in cold.items()}
+                if redis:
+                    cached = len(prompt) // s.chunk_tokens * s.chunk_tokens
+                    grown = {side: [a - b for a, b in zip(_redis_usage(server), before[side])]
+                             for side, server in redis.items()}
+                    out["redis_stored"] = {side: {"bytes": g[0], "keys": g[1], "tokens": cached} for side, g in grown.items()}
+                    out["redis_bytes_per_token"] = {side: g[0] / cached for side, g in grown.items()}
+                    out["rows"].append(self._cross_node(prompt, cold).__dict__)
+                out["rows"] += [r.__dict__ for r in self._ssd_rows(prompt, out)]
+                if redis:
+                    remote = self._remote_row(prompt)
+                    out["rows"].append(remote.__dict__)
+                    _cross_node_interval(out["rows"][0], remote, cold["ours"].ttft_s)
+        finally:
+            for st in self.stacks:
+                st.close()
+            for st in self.stacks:
+                shutil.rmtree(st.workdir, ignore_errors=True)
+        return out
+
+    def _remote_servers(self, stack: contextlib.ExitStack) -> dict[str, Any]:
+        """Each side's Redis behind the shaped link, or none (noted) where the machine refuses."""
+        try:
+            link = stack.enter_context(rl.limited_link(self.settings.link_mbit))
+        except rl.LinkUnavailable as exc:
+            self.notes.append(f"remote and cross-node rows: skipped ({exc})")
+            return {}
+        servers = {}
+        for side, port in ((STOCK, STOCK_REDIS_PORT), (OURS, OURS_REDIS_PORT)):
+            workdir = self.root / f"redis-{side}"
+            workdir.mkdir()
+            servers[side] = stack.enter_context(rl.redis_across(link, workdir, port))
+        return servers
+
+    def _launch(self, redis: dict[str, Any]) -> None:
+        self.progress("starting the cache servers and vLLM")
+        stock_extra = (_resp(redis[STOCK]),) if redis else ()
+        ours_extra = (_ours_remote(redis[OURS]),) if redis else ()
+        arrangements = [self._stock_ssd(*stock_extra), self._ours_ssd(*ours_extra)]
+        stacks = [self.stock, self.ours]
+        if redis:
+            arrangements.append(self._remote(_ours_remote(redis[OURS]), "KVShrink node B"))
+            stacks.append(self.node_b)
+        else:
+            self.stacks.remove(self.node_b)
+        for st, arrangement in zip(stacks, arrangements):
+            st.launch_cache(arrangement)
+        for st in stacks:
+            st.server.wait_healthy()
+        for st in stacks:
+            st.launch_vllm(self.model, max_model_len=self.settings.prompt_tokens + 256)
+        for st in stacks:
+            st.wait_ready()
+
+    def _request(self, st: Stack, prompt: list[int]) -> Sample:
+        sample = st.request(prompt, max_tokens=self.settings.max_tokens)
+        st.wait_idle()
+        return sample
+
+    def _cold(self, prompt: list[int]) -> dict[str, Sample]:
+        cold = {}
+        for st in (self.stock, self.ours):
+            self.progress(f"cold prefill of {len(prompt)} tokens on {st.key}")
+            cold[st.key] = self._request(st, prompt)
+            if cold[st.key].hit_tokens:
+                raise E2EError(f"{st.key}: the cold request hit {cold[st.key].hit_tokens:.0f} tokens")
+        return cold
+
+    def _cross_node(self, prompt: list[int], cold: dict[str, Sample]) -> Row:
+        self.progress("cross-node: node B")
+        first = self._request(self.node_b, prompt)
+        cached = len(prompt) // self.settings.chunk_tokens * self.settings.chunk_tokens
+        if first.hit_tokens < cached - self.settings.chunk_tokens:
+            raise E2EError(f"node B hit {first.hit_tokens:.0f} of the {cached} tokens node A stored")
+        self.notes.append(f"cross-node: node B hit {first.hit_tokens:.0f} tokens from the shared tier; its output "
+                          f"{'equals' if first.text == cold['ours'].text else 'DIFFERS FROM'} node A's cold output")
+        return Row("cross-node", "node B from the shared Redis / the same prompt cold on node A (same engine)",
+                   [asdict(cold["ours"])], [asdict(first)], CROSS_NODE_TARGET, _policies(self.ours, self.node_b))
+
+    def _ssd_rows(self, prompt: list[int], out: dict[str, Any]) -> list[Row]:
+        """Restart both cache servers on their SSD arrangement only; the page cache row, then the
+        device and throttled rows once against each of stock's sensible ``fs_native`` settings
+        (buffered, O_DIRECT: the same files), each row keeping stock's better one."""
+        self.progress("restarting on the SSD tier")
+        pair = [self.stock, self.ours]
+        reconfigure(pair, [self._stock_ssd(), self._ours_ssd()], wipe=False)
+        disks = [st.arrangement.disk for st in pair]
+        out["device_read_gbps"] = dr.sequential_read_gbps(disks[0])
+        rows = [self._pairs("ssd, page cache", "warm from SSD, files in the page cache (memory speed)", prompt, None)]
+        by_variant: dict[str, list[Row]] = {}
+        for variant, odirect in (("buffered", False), ("O_DIRECT", True)):
+            if odirect:
+                reconfigure([self.stock], [self._stock_ssd(odirect=True)], wipe=False)
+            by_variant[variant] = list(self._device_rows(prompt, disks, out["device_read_gbps"]))
+        for candidates in zip(*by_variant.values()):
+            medians = {v: statistics.median(x["ttft_s"] for x in row.stock) for v, row in zip(by_variant, candidates)}
+            best = min(medians, key=medians.get)
+            row = candidates[list(by_variant).index(best)]
+            row.label += (f"; stock at its best: fs_native {best} (median " +
+                          ", ".join(f"{v} {m:.2f} s" for v, m in medians.items()) + ")")
+            row.stock_variants = {v: {"stock": r.stock, "ours": r.ours, "ratio": r.ratio, "verdict": r.verdict}
+                                  for v, r in zip(by_variant, candidates) if v != best}
+            rows.append(row)
+        return rows
+
+    def _device_rows(self, prompt: list[int], disks: list[Path], device_gbps: float) -> Iterator[Row]:
+        pair = [self.stock, self.ours]
+        yield self._pairs("ssd, device", f"warm from SSD, page cache dropped (disk reads {device_gbps:.2f} GB/s "
+                          "sequentially)", prompt, SSD_DEVICE_TARGET, drop=disks)
+        for mb_s in self.settings.throttle_mb_s:
+            pids = [pid for st in pair for pid in _pids(st)]
+            try:
+                with dr.throttled_reads(disks[0], mb_s * 10**6, pids):
+                    yield self._pairs(f"ssd, {mb_s} MB/s device", f"warm from SSD, cache dropped, both cache servers' "
+                                      f"reads capped at {mb_s} MB/s (cgroup v1 blkio)", prompt, SSD_SLOW_TARGET,
+                                      drop=disks)
+            except dr.DeviceUnavailable as exc:
+                if f"ssd, {mb_s} MB/s device: skipped ({exc})" not in self.notes:
+                    self.notes.append(f"ssd, {mb_s} MB/s device: skipped ({exc})")
+
+    def _remote_row(self, prompt: list[int]) -> Row:
+        """Stock restarted on its RESP adapter alone, against node B (Redis only)."""
+        self.progress("remote tier")
+        self.ours.close()  # done with node A: its cores go back to the other stacks
+        reconfigure([self.stock], [self._remote(_resp(self.redis[STOCK]), "stock")], wipe=False)
+        return self._pairs_between("remote", f"warm from Redis across a {self.settings.link_mbit / 1000:g} Gbit/s "
+                                   "link (ours: chunks node A stored; the Redis tier alone)", prompt, self.stock,
+                                   self.node_b)
+
+    def _pairs(self, name: str, label: str, prompt: list[int], target: float | None,
+               drop: Sequence[Path] = ()) -> Row:
+        return self._pairs_between(name, label, prompt, self.stock, self.ours, target, drop)
+
+    def _pairs_between(self, name: str, label: str, prompt: list[int], stock: Stack, ours: Stack,
+                       target: float | None = None, drop: Sequence[Path] = ()) -> Row:
+        samples: dict[str, list[dict[str, Any]]] = {stock.key: [], ours.key: []}
+        cached = len(prompt) // self.settings.chunk_tokens * self.settings.chunk_tokens
+        for step in range(self.settings.pairs):
+            self.progress(f"{name}: {step + 1}/{self.settings.pairs}")
+            for st in rotated([stock, ours], step):
+                st.clear_l1()
+                if drop:
+                    dr.drop_cached(drop)
+                before = _device_read_bytes(st)
+                sample = self._request(st, prompt)
+                record = {**asdict(sample), "device_read_bytes": _device_read_bytes(st) - before}
+                if sample.l2_hit_tokens < cached - self.settings.chunk_tokens:
+                    raise E2EError(f"{name}: {st.key} loaded {sample.l2_hit_tokens:.0f} tokens from L2, not ~{cached}")
+                samples[st.key].append(record)
+        return Row(name, label, samples[stock.key], samples[ours.key], target, _policies(stock, ours)).settle()
+
+
+def _cross_node_interval(row: dict[str, Any], remote: Row, cold_s: float) -> None:
+    """Node B's requests (its first, then the remote row's) over node A's cold TTFT: the median
+    with a bootstrap interval over B's requests (the cold TTFT is one request)."""
+    ttfts = [row["ours"][0]["ttft_s"]] + [x["ttft_s"] for x in remote.ours]
+    r = paired_ratio(ttfts, [cold_s] * len(ttfts)).as_dict()
+    row.update(ratio={**r, "first_request": ttfts[0] / cold_s}, verdict=verdict(r, CROSS_NODE_TARGET))
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    """The rows as text: one line each, ratio with its interval and verdict, medians of both sides."""
+    lines = [f"TTFT where bytes are the bottleneck: {result['settings']['prompt_tokens']}-token prompt, "
+             f"{result['settings']['pairs']} pairs a row; cold TTFT stock {result['cold_ttft_s']['stock']:.1f} s, "
+             f"ours {result['cold_ttft_s']['ours']:.1f} s"]
+    for row in result["rows"]:
+        r = row["ratio"]
+        med = {k: statistics.median(x["ttft_s"] for x in row[k]) for k in ("stock", "ours")}
+        target = f" (target <= {row['target']})" if row["target"] is not None else ""
+        lines.append(f"  {row['name']}: ours / stock {r['median']:.3f} (95 % {r['low']:.3f}-{r['high']:.3f}){target} "
+                     f"{row['verdict']}; medians stock {med['stock']:.2f} s, ours {med['ours']:.2f} s -- {row['label']}")
+    if "redis_bytes_per_token" in result:
+        b = result["redis_bytes_per_token"]
+        k = {side: result["redis_stored"][side]["keys"] for side in (STOCK, OURS)}
+        lines.append(f"  bytes in Redis per cached token (the prefill's stores: {k[STOCK]} / {k[OURS]} keys): stock "
+                     f"{b[STOCK]:.0f}, ours {b[OURS]:.0f} ({b[OURS] / b[STOCK]:.3f}x)")
+    lines += [f"  note: {n}" for n in result["notes"]]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for tier-ttft.json and the logs")
+    parser.add_argument("--pairs", type=int, default=TierTTFTSettings.pairs)
+    parser.add_argument("--prompt-tokens", type=int, default=TierTTFTSettings.prompt_tokens)
+    parser.add_argument("--store-config", type=Path, default=None, help="our store file (default: the shipped one)")
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="kvshrink-tier-ttft-out-"))
+    out.mkdir(parents=True, exist_ok=True)
+    settings = TierTTFTSettings(prompt_tokens=args.prompt_tokens, pairs=args.pairs)
+    with tqdm(desc="tier TTFT", bar_format="{desc}: {elapsed} {postfix}") as bar:
+        bench = TierTTFT(ensure_checkpoint(), settings, args.store_config, out / "logs", bar.set_postfix_str)
+        result = bench.run()
+    (out / "tier-ttft.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(report_lines(result)))
+    print(f"\n{out / 'tier-ttft.json'}")
+    return 0
+
+
+
+def _redis_usage(server: Any) -> tuple[int, int]:
+    """``used_memory`` and the number of keys of ``server`` (what the prefill's stores added)."""
+    import redis
+
+    client = redis.Redis(host=server.host, port=server.port)
+    try:
+        return int(client.info("memory")["used_memory"]), int(client.dbsize())
+    finally:
+        client.close()
+
+
+def _policies(*stacks: Stack) -> dict[str, dict[str, Any]]:
+    return {st.key: vars(st.arrangement.policy) for st in stacks}
+
+
+def _pids(st: Stack) -> list[int]:
+    from kvshrink.testing.launch import group_pids
+
+    return group_pids(st.server.proc.pid)
+
+
+def _device_read_bytes(st: Stack) -> int:
+    """Bytes the cache server's processes have had read from storage (``/proc/<pid>/io``
+    ``read_bytes``): shows that a "device" row read the device, and at what rate."""
+    total = 0
+    for pid in _pids(st):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("read_bytes:"):
+                    total += int(line.split()[1])
+    return total
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""benchmarks/tier_ttft.py against real vLLM CPU, ``lmcache server``, redis-server across a shaped
+link and the blkio throttle (slow; root for the link and the throttle).
+
+Checks the harness, not speed: every row loads its KV from the tier it names (LMCache's own L2
+counters, and the cache servers' own device reads from /proc), a throttled row's reads stay under
+the cap, node B answers from the shared Redis as node A answered cold, and ours keeps fewer bytes
+on disk and in Redis than stock. Its section renders with both tier policies on every row.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+from kvshrink.benchmarks import tier_ttft as tt
+from kvshrink.benchmarks.comparison import OURS, STOCK
+from kvshrink.benchmarks.e2e_paired import BYTES_PER_TOKEN
+from kvshrink.benchmarks.suite_sections import tiers_section
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800),
+              pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link and the blkio throttle need root")]
+
+PROMPT = 768  # three whole 256-token chunks
+
+
+def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+
+    settings = tt.TierTTFTSettings(prompt_tokens=PROMPT, pairs=2, l1_mib=128)
+    result = tt.TierTTFT(ensure_checkpoint(), settings, log_dir=tmp_path / "logs").run()
+    if any("skipped" in note for note in result["notes"]):
+        pytest.skip(f"this machine cannot run every row: {result['notes']}")
+    rows = {row["name"]: row for row in result["rows"]}
+    assert set(rows) == {"cross-node", "ssd, page cache", "ssd, device", "ssd, 500 MB/s device", "remote"}
+    raw = PROMPT * BYTES_PER_TOKEN
+
+    cross = rows["cross-node"]
+    assert cross["ours"][0]["hit_tokens"] == PROMPT and cross["ours"][0]["text"] == cross["stock"][0]["text"]
+    assert cross["ratio"]["first_request"] < 0.35 and cross["verdict"] == "met"  # 768 tokens cold: ~20 s here
+
+    for name, row in rows.items():
+        if name == "cross-node":
+            continue
+        for side in ("stock", "ours"):
+            assert len(row[side]) == 2 and all(x["l2_hit_tokens"] == PROMPT for x in row[side]), (name, side)
+        device = {side: statistics.median(x["device_read_bytes"] for x in row[side]) for side in ("stock", "ours")}
+        if name.startswith("ssd, ") and name != "ssd, page cache":
+            assert device["stock"] >= 0.95 * raw, (name, device)  # stock's raw files, from the device
+            assert 0.5 * raw <= device["ours"] <= 0.75 * device["stock"], (name, device)  # compressed
+            assert "stock at its best: fs_native" in row["label"] and row["stock_variants"], row["label"]
+        else:  # page cache / Redis: nothing from the disk
+            assert device["stock"] < 0.1 * raw and device["ours"] < 0.1 * raw, (name, device)
+    for side in ("stock", "ours"):  # the cap held for every request (TTFT is longer than the read)
+        for x in rows["ssd, 500 MB/s device"][side]:
+            assert x["device_read_bytes"] / x["ttft_s"] <= 1.25 * 500e6, (side, x)
+    stored, per_token = result["redis_stored"], result["redis_bytes_per_token"]
+    assert stored[STOCK]["keys"] == stored[OURS]["keys"] == PROMPT // 256, stored
+    assert per_token[OURS] <= 0.72 * per_token[STOCK], per_token
+
+    section = tiers_section(result)
+    assert {c.case.split(":")[0] for c in section.comparisons} == set(rows) - {"cross-node"}
+    assert all(c.stock_policy and c.ours_policy for c in section.comparisons)
+    assert any(name.startswith("cross-node") for name in section.targets)
+    assert any(name.startswith("ssd, device") for name in section.targets)
