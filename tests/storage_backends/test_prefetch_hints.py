@@ -105,8 +105,23 @@ def test_a_hint_moves_the_sessions_chunks_from_ssd_to_dram(server):
     # the same hint again: everything is in DRAM already
     again = httpx.post(f"{url}/v1/prefetch", json={"token_ids": tokens}, headers=AUTH, timeout=10).json()
     assert (again["queued"], again["skipped"]) == (0, 4)
-    stats = httpx.get(f"{url}/v1/prefetch/stats", headers=AUTH, timeout=10).json()
-    assert stats["hints"] == 2 and stats["store"]["prefetch_moved"] == 4
+    # a longer prefix, only partly cached: the 4 known chunks are in DRAM, 2 more are nowhere
+    longer = httpx.post(f"{url}/v1/prefetch", json={"token_ids": tokens[:4 * CHUNK] + [5] * (2 * CHUNK)},
+                        headers=AUTH, timeout=10).json()
+    assert (longer["chunks"], longer["queued"], longer["skipped"]) == (6, 2, 4)
+    short = httpx.post(f"{url}/v1/prefetch", json={"token_ids": tokens[:CHUNK - 1]}, headers=AUTH, timeout=10)
+    assert short.status_code == 202 and short.json()["chunks"] == 0  # no full chunk: nothing to move
+    two_ranks = httpx.post(f"{url}/v1/prefetch", json={"token_ids": tokens, "world_size": 2}, headers=AUTH,
+                           timeout=10).json()
+    assert (two_ranks["chunks"], two_ranks["keys"]) == (4, 8)  # one key per chunk and kv rank
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = httpx.get(f"{url}/v1/prefetch/stats", headers=AUTH, timeout=10).json()
+        if stats["store"]["prefetch_pending"] == stats["store"]["prefetch_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["hints"] == 5 and stats["store"]["prefetch_moved"] == 4
+    assert stats["store"]["prefetch_missing"] == 2 + 8  # the 2 uncached chunks; no chunk stored for 2 ranks
     assert "kvshrink_prefetch_hints" in json.dumps(cache.status())
     metrics = httpx.get(f"{cache.http_url}/metrics", timeout=10).text
     assert "kvshrink_store_engine_prefetch_moved_total 4.0" in metrics, metrics[-2000:]
