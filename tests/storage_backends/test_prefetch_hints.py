@@ -263,3 +263,52 @@ def test_the_router_hints_the_chosen_instances_cache_server(server):
     while time.monotonic() < deadline and tiers_of(cache.status())["engine"]["prefetch_moved"] < 4:
         time.sleep(0.2)
     assert tiers_of(cache.status())["tiers"]["dram"]["chunks"] == 4
+
+
+def test_chunks_stored_by_the_server_idle_down_and_a_hint_brings_them_back(tmp_path, shm_name):
+    """The whole session story on the server's own paths: LMCache's bench client stores three
+    chunks (its store path: L1, then our adapter); idle demotion moves them to the SSD; a hint with
+    one request's token ids (keys made by the server, not by this test) moves that chunk back."""
+    from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+    from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+    from kvshrink.testing.launch import LMCacheServer, free_port
+
+    mapping = {"promote_on_hit": False, "idle_demotion": {"after_s": 1.0, "scan_interval_s": 0.1},
+               "tiers": [{"kind": "dram", "capacity": "16MiB", "shm_name": shm_name},
+                         {"kind": "ssd", "capacity": "64MiB", "path": str(tmp_path / "ssd"), "fsync": False}]}
+    port = free_port()
+    module = {"module_path": "kvshrink.storage_backends.prefetch_hints", "config": {"port": port}}
+    cache = LMCacheServer(l1_size_gb=0.05, l2_adapters=[plugin_json({"store": mapping})], chunk_size=CHUNK,
+                          extra_args=["--server-module", json.dumps(module)], log_path=tmp_path / "lmcache.log")
+    with cache:
+        cache.start()
+        client = ServerBenchClient(BenchConfig(rpc_url=f"tcp://localhost:{cache.port}", http_url=cache.http_url,
+                                               mode="cpu", transfer_mode="lmcache_driven", tp_size=1, use_mla=False,
+                                               num_tokens=CHUNK - 1, kvcache_shape_spec="(2,64,16,1,64):float16:2",
+                                               num_blocks=64, block_size=16), log=lambda _: None)
+        client.start()
+        try:
+            requests = [client.create_request(i, f"req-{i}", "store") for i in range(3)]
+            for request in requests:
+                result = client.store(request, 0, CHUNK)
+                assert result is not None and result.succeeded
+        finally:
+            client.close()
+
+        def tiers() -> dict:
+            return {name: t["chunks"] for name, t in tiers_of(cache.status())["tiers"].items()}
+
+        deadline = time.monotonic() + 60
+        while tiers() != {"dram": 0, "ssd": 3} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tiers() == {"dram": 0, "ssd": 3}
+        assert tiers_of(cache.status())["engine"]["idle_demotions"] == 3
+        hint = {"token_ids": list(requests[1].token_ids), "session_id": "req-1", "model_name": "test-model"}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/prefetch", json=hint, timeout=10)  # loopback: no token
+        assert reply.status_code == 202 and reply.json()["queued"] == 1, reply.text
+        while tiers_of(cache.status())["engine"]["prefetch_moved"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        engine = tiers_of(cache.status())["engine"]
+        assert (engine["prefetch_moved"], engine["prefetch_missing"]) == (1, 0)
+        # (idle demotion may take it down again a second later; the move itself is what is checked)
