@@ -99,6 +99,7 @@ class Arrangement:
     disk: Path | None = None
     l1_headroom_mib: float = 0.0
     extra_adapters: tuple[dict[str, Any], ...] = ()  # more L2 adapters after ``adapter`` (LMCache stores to all)
+    extra_args: tuple[str, ...] = ()  # more ``lmcache server`` flags (e.g. ``--server-module``)
 
     @property
     def l1_size_mib(self) -> float:
@@ -107,9 +108,9 @@ class Arrangement:
     def server_args(self) -> tuple[str, ...]:
         """``lmcache server`` flags that put the L1's eviction watermark at ``l1_mib``."""
         if not self.l1_headroom_mib:
-            return ()
+            return self.extra_args
         return ("--eviction-trigger-watermark", f"{self.l1_mib / self.l1_size_mib:.4f}",
-                "--eviction-ratio", f"{L1_EVICTION_RATIO if self.l1_mib else 1.0}")
+                "--eviction-ratio", f"{L1_EVICTION_RATIO if self.l1_mib else 1.0}", *self.extra_args)
 
 
 def stock_fs_native(disk: Path, capacity_mib: float) -> dict[str, Any]:

@@ -472,6 +472,13 @@ def tiers_section(result: dict[str, Any]) -> Section:
                            f"{settings['prompt_tokens']} tokens", row["verdict"] == "met",
                            f"{detail}; B's first request {r['first_request']:.3f}x")
             continue
+        if row["name"].startswith("resume"):  # ours vs ours: a target or a figure, no stock row
+            if row["target"] is not None:
+                section.target(f"{row['name']}: TTFT resumed from SSD with a hint / KV in DRAM <= {row['target']} at "
+                               f"{settings['prompt_tokens']} tokens", row["verdict"] == "met", detail)
+            else:
+                section.notes.append(f"{row['name']}: TTFT / KV in DRAM {detail}")
+            continue
         stock_key, ours_key = row["policies"]
         sides = [SideRun(side, workload, {"ttft_s": statistics.median(x["ttft_s"] for x in row[samples])},
                          policy=TierPolicy(**row["policies"][key]))

@@ -26,6 +26,13 @@ and a verdict only where the interval clears the target.
   tier. B's first request is the cross-node row (hits on B, output equal to A's cold output), and
   it is compared with the cold TTFT of the same prompt on A (same engine, same settings).
 
+* **resume** (KV Infinity, ours vs ours): ours restarted with idle demotion on (``idle_after_s``, a
+  setting of the shipped YAML, off there by default: labelled) and the prefetch-hint endpoint
+  (:mod:`kvshrink.storage_backends.prefetch_hints`). Each step, in rotating order: the session's KV
+  in our DRAM tier (a hint, waited for); resumed from SSD (demoted while idle, page cache dropped)
+  with the hint sent ``hint_lead_s`` before the request (an agent framework calling it when a
+  tool finishes); the same without a hint. Rows: each over the DRAM case.
+
 Needs root for the throttle and the namespaces; rows this machine cannot run are skipped with the
 reason. Cold prefills dominate: ~2 minutes each at 4K tokens on 2 AVX2 cores, three of them.
 
@@ -40,9 +47,12 @@ import json
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
+
+import httpx
 
 from kvshrink.benchmarks import device_reads as dr
 from kvshrink.benchmarks import remote_link as rl
@@ -51,6 +61,7 @@ from kvshrink.benchmarks.e2e_paired import (Arrangement, E2EError, Sample, Stack
                                             reconfigure, stock_fs_native)
 from kvshrink.benchmarks.paired_stats import paired_ratio, verdict
 
+RESUME_TARGET = 1.15  # KV Infinity: resumed from SSD with a hint 1 s ahead / the same with the KV in DRAM
 SSD_DEVICE_TARGET = 1.0  # ours / stock warm-from-SSD TTFT, cache dropped, this disk
 SSD_SLOW_TARGET = 0.80  # the same on the throttled device class (we read ~0.68x the bytes)
 CROSS_NODE_TARGET = 0.35  # node B from the shared tier / cold
@@ -66,6 +77,9 @@ class TierTTFTSettings:
     throttle_mb_s: tuple[int, ...] = (500,)
     link_mbit: int = 1000
     max_tokens: int = 8
+    resume: bool = True  # the KV Infinity rows (prefetch hint vs KV in DRAM)
+    hint_lead_s: float = 1.0  # how long before the request the hint is sent
+    idle_after_s: float = 3.0  # idle demotion in the resume rows: a waiting session's KV leaves DRAM
 
 
 @dataclass
@@ -170,6 +184,8 @@ class TierTTFT:
                     out["redis_bytes_per_token"] = {side: g[0] / cached for side, g in grown.items()}
                     out["rows"].append(self._cross_node(prompt, cold).__dict__)
                 out["rows"] += [r.__dict__ for r in self._ssd_rows(prompt, out)]
+                if s.resume:
+                    out["rows"] += [r.__dict__ for r in self._resume_rows(prompt, out)]
                 if redis:
                     remote = self._remote_row(prompt)
                     out["rows"].append(remote.__dict__)
@@ -281,6 +297,64 @@ class TierTTFT:
                 if f"ssd, {mb_s} MB/s device: skipped ({exc})" not in self.notes:
                     self.notes.append(f"ssd, {mb_s} MB/s device: skipped ({exc})")
 
+    def _resume_rows(self, prompt: list[int], out: dict[str, Any]) -> list[Row]:
+        """KV Infinity on ours alone: the shipped default with idle demotion on (``idle_after_s``)
+        and the prefetch-hint endpoint. Each step, in rotating order: the session's KV in our DRAM
+        tier (a hint, waited for); resumed from SSD (demoted while idle, page cache dropped) with
+        the hint sent ``hint_lead_s`` before the request; the same without a hint."""
+        from kvshrink.storage_backends.serve_cache import HINTS_MODULE
+        from kvshrink.testing.launch import free_port
+
+        s, ours = self.settings, self.ours
+        port = free_port()
+        hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": _model_name(self.model)}}
+        base = self._ours_ssd()
+        store = base.adapter["adapter_params"]["store"]
+        store = {**store, "idle_demotion": {"after_s": s.idle_after_s, "scan_interval_s": 0.25, "max_per_scan": 256}}
+        arrangement = Arrangement(base.l1_mib, {**base.adapter, "adapter_params": {"store": store}},
+                                  TierPolicy(f"KVShrink: L1 {s.l1_mib:.0f} MiB (cleared) + shipped default store, "
+                                             f"idle_demotion.after_s {s.idle_after_s:g} + prefetch hints",
+                                             "exclusive", s.l1_mib, False),
+                                  shm_name=base.shm_name, disk=base.disk,
+                                  extra_args=("--server-module", json.dumps(hints)))
+        self.progress("resume: restarting ours with hints and idle demotion")
+        reconfigure([ours], [arrangement], wipe=False)
+        url = f"http://127.0.0.1:{port}"
+        chunks = len(prompt) // s.chunk_tokens
+        samples: dict[str, list[dict[str, Any]]] = {"dram": [], "hint": [], "no hint": []}
+        for step in range(s.pairs):
+            for case in rotated(list(samples), step):
+                self.progress(f"resume: {case} {step + 1}/{s.pairs}")
+                self._wait_dram(lambda n: n == 0, "idle demotion to empty our DRAM tier")
+                ours.clear_l1()
+                if case == "dram":
+                    _hint(url, prompt)
+                    self._wait_dram(lambda n: n >= chunks, f"the hint to bring {chunks} chunks to DRAM")
+                else:
+                    dr.drop_cached([base.disk])
+                    if case == "hint":
+                        _hint(url, prompt)
+                        time.sleep(s.hint_lead_s)
+                sample = self._request(ours, prompt)
+                samples[case].append({**asdict(sample), "dram_chunks_after": self._dram_chunks()})
+        out["prefetch_stats"] = httpx.get(f"{url}/v1/prefetch/stats", timeout=10).json()
+        policies = {"dram": vars(arrangement.policy), "ours": vars(arrangement.policy)}
+        return [Row(f"resume, {case}", f"KV Infinity: session resumed from SSD (idle-demoted, page cache dropped) "
+                    f"{'with a prefetch hint ' + format(s.hint_lead_s, 'g') + ' s ahead' if case == 'hint' else 'without a hint'}"
+                    " / the same session with its KV in our DRAM tier (ours vs ours)",
+                    samples["dram"], samples[case], RESUME_TARGET if case == "hint" else None, policies).settle()
+                for case in ("hint", "no hint")]
+
+    def _dram_chunks(self) -> int:
+        from kvshrink.testing.mp_observe import adapter_status
+
+        return int(adapter_status(self.ours.server.http_url)["store"]["tiers"]["dram"]["chunks"])
+
+    def _wait_dram(self, ok: Callable[[int], bool], what: str, timeout: float = 60.0) -> None:
+        from kvshrink.testing.polling import poll_until
+
+        poll_until(lambda: ok(self._dram_chunks()), timeout, interval=0.1, what=what, error=E2EError)
+
     def _remote_row(self, prompt: list[int]) -> Row:
         """Stock restarted on its RESP adapter alone, against node B (Redis only)."""
         self.progress("remote tier")
@@ -374,6 +448,19 @@ def _redis_usage(server: Any) -> tuple[int, int]:
         return int(client.info("memory")["used_memory"]), int(client.dbsize())
     finally:
         client.close()
+
+
+def _model_name(model: Path) -> str:
+    """The model name LMCache's keys carry: vLLM's ``model_config.model``, the path it loaded (not
+    ``--served-model-name``; LMCache's mp connector)."""
+    return str(model)
+
+
+def _hint(url: str, prompt: list[int]) -> dict[str, Any]:
+    reply = httpx.post(f"{url}/v1/prefetch", json={"token_ids": prompt, "session_id": "bench"}, timeout=10)
+    if reply.status_code != 202:
+        raise E2EError(f"the prefetch hint was refused: {reply.status_code} {reply.text}")
+    return reply.json()
 
 
 def _policies(*stacks: Stack) -> dict[str, dict[str, Any]]:

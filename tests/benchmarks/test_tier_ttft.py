@@ -32,15 +32,23 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
     if any("skipped" in note for note in result["notes"]):
         pytest.skip(f"this machine cannot run every row: {result['notes']}")
     rows = {row["name"]: row for row in result["rows"]}
-    assert set(rows) == {"cross-node", "ssd, page cache", "ssd, device", "ssd, 500 MB/s device", "remote"}
+    assert set(rows) == {"cross-node", "ssd, page cache", "ssd, device", "ssd, 500 MB/s device", "remote",
+                         "resume, hint", "resume, no hint"}
     raw = PROMPT * BYTES_PER_TOKEN
 
     cross = rows["cross-node"]
     assert cross["ours"][0]["hit_tokens"] == PROMPT and cross["ours"][0]["text"] == cross["stock"][0]["text"]
     assert cross["ratio"]["first_request"] < 0.35 and cross["verdict"] == "met"  # 768 tokens cold: ~20 s here
 
+    for name in ("resume, hint", "resume, no hint"):  # every request loaded the whole prefix from our tiers
+        assert all(x["l2_hit_tokens"] == PROMPT for side in ("stock", "ours") for x in rows[name][side]), name
+    assert all(x["dram_chunks_after"] == 0 for x in rows["resume, no hint"]["ours"])  # read from SSD, not moved up
+    assert all(x["dram_chunks_after"] >= PROMPT // 256 for x in rows["resume, hint"]["ours"])  # the hint moved it
+    moved = result["prefetch_stats"]["store"]["prefetch_moved"]
+    assert moved >= 2 * 2 * PROMPT // 256, result["prefetch_stats"]  # hint and DRAM cases, two steps each
+
     for name, row in rows.items():
-        if name == "cross-node":
+        if name == "cross-node" or name.startswith("resume"):
             continue
         for side in ("stock", "ours"):
             assert len(row[side]) == 2 and all(x["l2_hit_tokens"] == PROMPT for x in row[side]), (name, side)
