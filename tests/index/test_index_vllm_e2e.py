@@ -4,14 +4,19 @@ A and B run with *different* ``PYTHONHASHSEED`` values, so their own block hashe
 index must still agree on prefixes (it rehashes token ids). Checked: after a request served by
 A, a lookup ranks A first with the right matched length; after A's prefix cache is reset
 (``AllBlocksCleared``) and after A restarts, it no longer does. Where production-stack's router
-is installed (``KVSHRINK_ROUTER_PYTHON`` = a Python ≥ 3.12 with ``vllm_router`` and this project),
-the real router with our logic is run in front of both: requests go where the index says, and
-still get served when the index is down.
+is installed (``.venv-router/``, built by ``scripts/setup-router.sh`` from the vendored source, or
+``KVSHRINK_ROUTER_PYTHON`` = a Python ≥ 3.12 with ``vllm_router`` and this project), the real router
+with our logic is run in front of both: requests go where the index says, still get served when
+the index is down, and follow the tiers that cache servers report: a prompt whose chunks both hold
+goes to the one holding them in DRAM rather than on SSD, and to the other once A's copy is demoted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +30,14 @@ from kvshrink.testing.launch import LOOPBACK, ManagedProcess, VLLMServer, free_p
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 MODEL = "smollm2"
 REPO = Path(__file__).resolve().parents[2]
+# production-stack's router: KVSHRINK_ROUTER_PYTHON, else the venv scripts/setup-router.sh builds
+ROUTER_PYTHON = os.environ.get("KVSHRINK_ROUTER_PYTHON") or str(REPO / ".venv-router" / "bin" / "python")
+needs_router = pytest.mark.skipif(
+    not os.access(ROUTER_PYTHON, os.X_OK),
+    reason=f"production-stack's router is not installed ({ROUTER_PYTHON} missing): scripts/setup-router.sh "
+           "(run by make setup) builds .venv-router/ from tests/vendor/ when it finds a Python >= 3.12; "
+           "or set KVSHRINK_ROUTER_PYTHON to a Python >= 3.12 with vllm_router and kvshrink installed")
+CHUNK = 256  # LMCache's chunk size, the index's default lmcache_chunk_size
 
 
 def _vllm(ckpt, index: IndexServer, name: str, seed: str, port: int | None = None,
@@ -135,23 +148,30 @@ def test_all_blocks_cleared_removes_a(cluster):
     assert _ranked(index, prompt)[0]["instance_id"] != "A" or _ranked(index, prompt)[0]["matched_tokens"] == 0
 
 
-@pytest.mark.skipif(not os.environ.get("KVSHRINK_ROUTER_PYTHON"),
-                    reason="production-stack's router is not on PyPI; set KVSHRINK_ROUTER_PYTHON to a Python >= 3.12 "
-                           "with vllm_router and kvshrink installed (see plugins/router/router_launcher.py)")
-def test_production_stack_router_routes_by_index(cluster, tmp_path):
-    index, a, b, tok = cluster["index"], cluster["a"], cluster["b"], cluster["tok"]
+@contextlib.contextmanager
+def _router(cluster, log_path: Path):
+    """The real vllm-router with our logic in front of the cluster's A and B; yields its URL."""
+    a, b = cluster["a"], cluster["b"]
     port = free_port()
-    router = ManagedProcess([os.environ["KVSHRINK_ROUTER_PYTHON"], "-m", "kvshrink.plugins.router.router_launcher",
-                             "--index-url", index.url, "--index-timeout-ms", "2000", "--",
+    router = ManagedProcess([ROUTER_PYTHON, "-m", "kvshrink.plugins.router.router_launcher",
+                             "--index-url", cluster["index"].url, "--index-timeout-ms", "2000", "--",
                              "--host", LOOPBACK, "--port", str(port), "--service-discovery", "static",
                              "--static-backends", f"{a.url},{b.url}", "--static-models", f"{MODEL},{MODEL}",
                              "--engine-stats-interval", "5", "--max-instance-failover-reroute-attempts", "1"],
-                            log_path=tmp_path / "router.log", cwd=REPO)
+                            log_path=log_path, cwd=REPO)
     router.start()
     try:
         router.wait_until(lambda: _ok(f"http://{LOOPBACK}:{port}/v1/models"), 120, "serving")
         assert "KVShrink routing logic installed" in log_tail(router.log_path, 200)
-        url = f"http://{LOOPBACK}:{port}"
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        router.stop()
+
+
+@needs_router
+def test_production_stack_router_routes_by_index(cluster, tmp_path):
+    index, a, b, tok = cluster["index"], cluster["a"], cluster["b"], cluster["tok"]
+    with _router(cluster, tmp_path / "router.log") as url:
         prompt = _prompt(tok, "orchard")
         _complete(url, prompt)  # cold: the index picks one (least loaded / prompt hash)
         owner = wait_for(lambda: next((i for i, m in _matched(index, prompt).items() if m > 0), None), timeout=30,
@@ -169,8 +189,6 @@ def test_production_stack_router_routes_by_index(cluster, tmp_path):
             _complete(url, prompt)
         finally:
             _restart_index(cluster)
-    finally:
-        router.stop()
 
 
 def _restart_index(cluster) -> IndexServer:
@@ -178,6 +196,65 @@ def _restart_index(cluster) -> IndexServer:
     cluster["index"].stop()
     cluster["index"] = IndexServer(cluster["index"].config).start()
     return cluster["index"]
+
+
+class _CacheServer:
+    """What the tier reporter of instance ``name``'s cache server posts to the index's ``/events``
+    (``kvshrink.storage_backends.tier_reporter``'s wire: ``tier: l2``, ``backend: kvshrink``,
+    ``medium`` set; one stream per process, ``seq`` from 1)."""
+
+    def __init__(self, index_url: str, name: str) -> None:
+        self.index_url, self.name = index_url, name
+        self.incarnation = time.time_ns() // 1_000_000
+        self.seq = itertools.count(1)
+
+    def post(self, event: str, medium: str, prompt: list[int], chunks) -> None:
+        entries = [{"key": {"chunk_hash_hex": f"{hash(tuple(prompt[:(c + 1) * CHUNK])) & (2**64 - 1):016x}",
+                            "model_name": MODEL},
+                    "size_bytes": 5_898_240 if event == "store" else 0,
+                    "token_ids": prompt[c * CHUNK:(c + 1) * CHUNK] if event == "store" else [],
+                    "token_offset": c * CHUNK if event == "store" else -1} for c in chunks]
+        batch = {"instance_id": self.name, "incarnation": self.incarnation, "seq": next(self.seq),
+                 "event_type": event, "tier": "l2", "backend": "kvshrink", "medium": medium, "entries": entries}
+        resp = httpx.post(f"{self.index_url}/events", json={"batches": [batch]}, timeout=10)
+        assert resp.status_code == 200 and resp.json()["dropped"] == {}, resp.text
+
+
+def _tiers(index: IndexServer, tokens) -> dict[str, dict[str, int]]:
+    return {i["instance_id"]: {t: n for t, n in i["tiers"].items() if n} for i in _ranked(index, tokens)}
+
+
+@needs_router
+def test_production_stack_router_follows_the_tiers(cluster, tmp_path):
+    """Both instances' cache servers hold the prompt's chunks, A's in DRAM, B's on SSD: the router
+    sends it to A. Once A's copy is demoted to the remote tier, the same prompt goes to B."""
+    index, a, b, tok = cluster["index"], cluster["a"], cluster["b"], cluster["tok"]
+    prompt = _prompt(tok, "granary")[:2 * CHUNK]  # new to both engines: no GPU-tier blocks anywhere
+    assert len(prompt) == 2 * CHUNK
+    cache = {n: _CacheServer(index.url, n) for n in "AB"}
+    for name, medium in (("A", "dram"), ("B", "ssd")):
+        cache[name].post("store", medium, prompt, [0])  # a first chunk resolves from the root
+    _ranked(index, prompt)  # the router's lookup teaches the index where later chunks sit
+    for name, medium in (("A", "dram"), ("B", "ssd")):
+        cache[name].post("store", medium, prompt, [1])
+    assert _tiers(index, prompt) == {"A": {"dram": 2 * CHUNK}, "B": {"ssd": 2 * CHUNK}}
+    with _router(cluster, tmp_path / "router.log") as url:
+        before = {n: _served(s.url) for n, s in (("A", a), ("B", b))}
+        _complete(url, prompt)
+        assert (_served(a.url) - before["A"], _served(b.url) - before["B"]) == (1, 0), "expected A (DRAM)"
+        # A's engine now holds the prompt on GPU too: clear that, so only the cache servers' tiers count
+        assert httpx.post(f"{a.url}/reset_prefix_cache", timeout=60).status_code == 200
+        _complete(a.url, [11, 12, 13], max_tokens=1)  # vLLM sends AllBlocksCleared with its next step
+        wait_for(lambda: _tiers(index, prompt).get("A") == {"dram": 2 * CHUNK}, timeout=30,
+                 what="A's GPU blocks cleared, its DRAM chunks kept")
+        # A's cache server demotes the chunks to the remote tier: the store on the new medium comes
+        # before the delete on the old one, as the tier reporter sends them
+        cache["A"].post("store", "remote", prompt, [0, 1])
+        cache["A"].post("delete", "dram", prompt, [0, 1])
+        assert _tiers(index, prompt) == {"A": {"remote": 2 * CHUNK}, "B": {"ssd": 2 * CHUNK}}
+        before = {n: _served(s.url) for n, s in (("A", a), ("B", b))}
+        _complete(url, prompt)
+        assert (_served(a.url) - before["A"], _served(b.url) - before["B"]) == (0, 1), "expected B (SSD)"
 
 
 def test_restarted_index_relearns_caches_by_replay(cluster):
