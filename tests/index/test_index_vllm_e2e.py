@@ -238,6 +238,8 @@ def test_production_stack_router_follows_the_tiers(cluster, tmp_path):
     for name, medium in (("A", "dram"), ("B", "ssd")):
         cache[name].post("store", medium, prompt, [1])
     assert _tiers(index, prompt) == {"A": {"dram": 2 * CHUNK}, "B": {"ssd": 2 * CHUNK}}
+    ranked = _ranked(index, prompt)  # same length, same (idle) load: the tier decides
+    assert [i["instance_id"] for i in ranked] == ["A", "B"] and ranked[0]["load"] == ranked[1]["load"], ranked
     with _router(cluster, tmp_path / "router.log") as url:
         before = {n: _served(s.url) for n, s in (("A", a), ("B", b))}
         _complete(url, prompt)
@@ -252,6 +254,7 @@ def test_production_stack_router_follows_the_tiers(cluster, tmp_path):
         cache["A"].post("store", "remote", prompt, [0, 1])
         cache["A"].post("delete", "dram", prompt, [0, 1])
         assert _tiers(index, prompt) == {"A": {"remote": 2 * CHUNK}, "B": {"ssd": 2 * CHUNK}}
+        assert [i["instance_id"] for i in _ranked(index, prompt)] == ["B", "A"]
         before = {n: _served(s.url) for n, s in (("A", a), ("B", b))}
         _complete(url, prompt)
         assert (_served(a.url) - before["A"], _served(b.url) - before["B"]) == (0, 1), "expected B (SSD)"
