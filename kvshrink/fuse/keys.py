@@ -20,6 +20,9 @@ from kvshrink.errors import ConfigError
 
 FUSE_VERSION = 1  # bump whenever fused KV for the same settings changes
 _PREFIX = "kvfuse"
+# vLLM's request validation and LMCache's ObjectKey both refuse these in a salt, and longer ones
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+SALT_MAX_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,11 @@ def fused_salt(settings: FuseSettings, base_salt: str = "") -> str:
     """The cache salt fused chunks are stored under; ``base_salt`` (the request's own, e.g. a
     tenant's) is kept, so fusion never mixes tenants either."""
     tag = f"{_PREFIX}{FUSE_VERSION}-r{round(settings.ratio * 1000):04d}-c{settings.check_layer}"
-    return tag if not base_salt else f"{tag}.{base_salt}"
+    salt = tag if not base_salt else f"{tag}.{base_salt}"
+    if len(salt) > SALT_MAX_LEN or _SALT_FORBIDDEN & set(salt):
+        raise ConfigError("cache_salt", f"{base_salt!r} makes a fused salt vLLM and LMCache refuse "
+                          f"(at most {SALT_MAX_LEN} characters, none of @ / \\ NUL)")
+    return salt
 
 
 def is_fused_salt(salt: str) -> bool:

@@ -18,6 +18,13 @@ def test_fused_salts_are_their_own_namespace_per_settings() -> None:
     assert not is_fused_salt("kvfusex")
 
 
+def test_a_salt_vllm_or_lmcache_would_refuse_is_refused() -> None:
+    assert len(fused_salt(FuseSettings(0.15), "x" * 100)) <= 128
+    for bad in ("x" * 120, "a@b", "a/b"):
+        with pytest.raises(ConfigError, match="cache_salt"):
+            fused_salt(FuseSettings(0.15), bad)
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="fuse.ratio"):
         FuseSettings(1.2)
