@@ -415,6 +415,34 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def markdown_table(result: dict[str, Any]) -> str:
+    """README's table of one run: a line per row, medians of both sides and the paired ratio."""
+    s = result["settings"]
+    lines = ["| row | stock LMCache (median) | KVShrink (median) | ours / stock, 95 % | target | verdict |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in result["rows"]:
+        r, med = row["ratio"], {k: statistics.median(x["ttft_s"] for x in row[k]) for k in ("stock", "ours")}
+        first, second = ("cold on node A", "node B, first request") if row["name"] == "cross-node" else (
+            ("KV in our DRAM", "resumed from SSD") if row["name"].startswith("resume") else ("", ""))
+        target = f"<= {row['target']:g}" if row["target"] is not None else ""
+        lines.append(f"| {row['name']} | {first + ' ' if first else ''}{med['stock']:.2f} s | "
+                     f"{second + ' ' if second else ''}{med['ours']:.2f} s | {r['median']:.3f} ({r['low']:.3f}-"
+                     f"{r['high']:.3f}) | {target} | {row['verdict']} |")
+    if "redis_bytes_per_token" in result:
+        b = result["redis_bytes_per_token"]
+        lines.append(f"| bytes in Redis per cached token | {b[STOCK]:.0f} | {b[OURS]:.0f} | {b[OURS] / b[STOCK]:.3f} | "
+                     "| |")
+    device = {row["name"]: {k: statistics.median(x.get("device_read_bytes", 0) for x in row[k]) for k in ("stock", "ours")}
+              for row in result["rows"] if row["name"] == "ssd, device"}
+    for name, d in device.items():
+        lines.append(f"| {name}: read from the disk per request (the cache servers' own, /proc) | {d['stock'] / 1e6:.1f} MB | "
+                     f"{d['ours'] / 1e6:.1f} MB | {d['ours'] / d['stock']:.3f} | | |")
+    lines.append(f"\n{s['prompt_tokens']}-token prompt, {s['pairs']} pairs a row; cold TTFT stock "
+                 f"{result['cold_ttft_s']['stock']:.1f} s, ours {result['cold_ttft_s']['ours']:.1f} s; this disk read "
+                 f"{result.get('device_read_gbps', float('nan')):.2f} GB/s sequentially in the run.")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tqdm import tqdm
 
@@ -425,7 +453,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=TierTTFTSettings.pairs)
     parser.add_argument("--prompt-tokens", type=int, default=TierTTFTSettings.prompt_tokens)
     parser.add_argument("--store-config", type=Path, default=None, help="our store file (default: the shipped one)")
+    parser.add_argument("--markdown-from", type=Path, default=None, metavar="JSON",
+                        help="do not run: print README's table of an earlier run's tier-ttft.json")
     args = parser.parse_args(argv)
+    if args.markdown_from is not None:
+        print(markdown_table(json.loads(args.markdown_from.read_text())))
+        return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="kvshrink-tier-ttft-out-"))
     out.mkdir(parents=True, exist_ok=True)
     settings = TierTTFTSettings(prompt_tokens=args.prompt_tokens, pairs=args.pairs)
