@@ -2,9 +2,11 @@
 prefill's, on a RAG set made here (SmolLM2-135M-Instruct, transformers weights, CPU; no vLLM).
 
 The set (:func:`build_set`): ``--documents`` documents of real prose (the Python reference shipped
-with every interpreter, ``kvshrink.testing.fixtures.real_kv.corpus_text``), 200-800 tokens each,
+with every interpreter, ``kvshrink.testing.fixtures.real_kv.corpus_text``), 200-800 tokens each
+(``--doc-tokens`` is the target a document's paragraphs must reach; the last paragraph overshoots),
 each with two made-up checkable facts put between its paragraphs ("The access code of the Orion
-vault is 4719."). Each of ``--questions`` questions shows 3-8 documents of the pool in a seeded
+vault is 4719."); no answer occurs anywhere else in the set. Each of ``--questions`` questions
+shows ``--per-question`` (3-6 by default, the issue allows 3-8) documents of the pool in a seeded
 random order and asks for one fact of one of them, so documents recur across questions at varying
 positions. A prompt is ``system header | SEP | doc | SEP | doc ... | SEP | question + assistant
 header`` as token ids (documents tokenized once, so a document has the same tokens everywhere);
