@@ -307,7 +307,7 @@ class TierTTFT:
 
         s, ours = self.settings, self.ours
         port = free_port()
-        hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": _model_name(self.model)}}
+        hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": lmcache_model_name(self.model)}}
         base = self._ours_ssd()
         store = base.adapter["adapter_params"]["store"]
         store = {**store, "idle_demotion": {"after_s": s.idle_after_s, "scan_interval_s": 0.25, "max_per_scan": 256}}
@@ -328,12 +328,12 @@ class TierTTFT:
                 self._wait_dram(lambda n: n == 0, "idle demotion to empty our DRAM tier")
                 ours.clear_l1()
                 if case == "dram":
-                    _hint(url, prompt)
+                    send_hint(url, prompt)
                     self._wait_dram(lambda n: n >= chunks, f"the hint to bring {chunks} chunks to DRAM")
                 else:
                     dr.drop_cached([base.disk])
                     if case == "hint":
-                        _hint(url, prompt)
+                        send_hint(url, prompt)
                         time.sleep(s.hint_lead_s)
                 sample = self._request(ours, prompt)
                 samples[case].append({**asdict(sample), "dram_chunks_after": self._dram_chunks()})
@@ -483,14 +483,15 @@ def _redis_usage(server: Any) -> tuple[int, int]:
         client.close()
 
 
-def _model_name(model: Path) -> str:
+def lmcache_model_name(model: Path) -> str:
     """The model name LMCache's keys carry: vLLM's ``model_config.model``, the path it loaded (not
     ``--served-model-name``; LMCache's mp connector)."""
     return str(model)
 
 
-def _hint(url: str, prompt: list[int]) -> dict[str, Any]:
-    reply = httpx.post(f"{url}/v1/prefetch", json={"token_ids": prompt, "session_id": "bench"}, timeout=10)
+def send_hint(url: str, prompt: list[int], session_id: str = "bench") -> dict[str, Any]:
+    """POST a prefetch hint to a cache server's hint endpoint; raises E2EError unless accepted."""
+    reply = httpx.post(f"{url}/v1/prefetch", json={"token_ids": prompt, "session_id": session_id}, timeout=10)
     if reply.status_code != 202:
         raise E2EError(f"the prefetch hint was refused: {reply.status_code} {reply.text}")
     return reply.json()

@@ -4,8 +4,9 @@
 one request (prefix order) to the store's :class:`Prefetcher` and returns a
 :class:`PrefetchHandle` at once. Contract:
 
-* **Bounded, never blocking.** A hint takes its first ``prefetch.depth`` keys (the rest are
-  counted ``prefetch_dropped``); a key already in the first tier, or already queued or moving for
+* **Bounded, never blocking.** A hint takes its first ``prefetch.depth`` keys, and no more than
+  fill ``HINT_SHARE`` of the first tier at the store's mean chunk size (a bigger hint would evict
+  its own first chunks before their read; the rest are counted ``prefetch_dropped``); a key already in the first tier, or already queued or moving for
   another hint, is skipped (``prefetch_skipped``); the others are queued, unless
   ``prefetch.max_pending`` keys are queued already: those are dropped and counted, never waited
   for. At most ``prefetch.max_in_flight`` moves run at once, in queue (prefix) order, on this
@@ -118,14 +119,15 @@ class Prefetcher:
         self.counters = Counters(PREFETCH_COUNTERS)
 
     # -- hints ----------------------------------------------------------------------------------------
-    def submit(self, keys: Sequence[bytes]) -> PrefetchHandle:
-        """Queue ``keys`` (prefix order, checked by the store); never blocks."""
+    def submit(self, keys: Sequence[bytes], room: int | None = None) -> PrefetchHandle:
+        """Queue ``keys`` (prefix order, checked by the store); never blocks. At most ``room``
+        keys (the store's estimate of what its first tier holds) besides ``depth``."""
         handle = PrefetchHandle(_prefetcher=self)
         result = handle.result
         result.requested = len(keys)
         self.counters.add("prefetch_hints")
         unique = list(dict.fromkeys(keys))
-        take = unique[: self.config.depth]
+        take = unique[: self.config.depth if room is None else min(self.config.depth, room)]
         result.dropped = len(unique) - len(take)
         result.skipped = len(keys) - len(unique)  # repeated within the hint
         fresh = [k for k in take if not self._in_first(k)]

@@ -77,6 +77,7 @@ def build_tier(config: TierConfig, is_pinned: Any) -> Tier:
     return RedisTier(config, is_pinned)
 
 
+HINT_SHARE = 0.5  # most of the first tier one prefetch hint may fill (an arena holds 85-90 % in steady state, less when small)
 READ_LOOKS = 3  # a read that missed everywhere while a chunk moved up looks again, this often at most
 EVICTED_WAIT_S = 5.0  # longest a read waits for the demotion of a chunk evicted before it was copied
 
@@ -490,7 +491,17 @@ class TieredStore:
         (InvalidKeyError); StoreClosedError after close."""
         keys = [check_key(k) for k in keys]
         self._check_open()
-        return self._prefetch.submit(keys)
+        return self._prefetch.submit(keys, self._prefetch_room())
+
+    def _prefetch_room(self) -> int | None:
+        """How many chunks one hint may move: what fills :data:`HINT_SHARE` of the first tier at
+        the local tiers' mean chunk size (None: nothing stored yet to size them by). A hint bigger
+        than the tier would evict its own first chunks before the read wants them."""
+        held = [self.tiers[i].usage() for i in self._local]  # (bytes, chunks); a remote tier's costs a round trip
+        stored, chunks = sum(b for b, _ in held), sum(c for _, c in held)
+        if not chunks or not stored:
+            return None
+        return max(1, int(HINT_SHARE * self.tiers[0].capacity_bytes * chunks / stored))
 
     def _prefetch_move(self, key: bytes) -> str:
         """One prefetch move (on a prefetch thread): the chunk read from the fastest lower tier

@@ -75,15 +75,14 @@ def test_a_hint_for_a_prefix_not_cached_or_partly_cached_ends_cleanly(tmp_path, 
 def test_a_chunk_evicted_before_its_move_ran_is_missing_and_one_evicted_unread_is_wasted(tmp_path, shm_name,
                                                                                        small_chunks, keys):
     on_ssd(tmp_path, small_chunks, keys)
-    with open_store(tmp_path, shm_name, dram_chunks=4, prefetch={"max_in_flight": 1}) as store:
+    with open_store(tmp_path, shm_name, dram_chunks=8, prefetch={"max_in_flight": 1}) as store:  # a hint: ~5
         with store._write_locks[0]:  # the first move waits in the write path; the rest stay queued
             handle = store.prefetch(keys[:4])
             assert store.delete(keys[3])  # gone from the SSD before its move ran
         result = handle.wait(timeout=60)
         assert (result.moved, result.missing) == (3, 1)
-        fresh = [b"fresh-%d" % i for i in range(4)]
-        for key, chunk in zip(fresh, small_chunks[8:]):  # four new puts evict the three moved chunks
-            assert store.put(key, chunk).result(timeout=60) is True
+        for i, chunk in enumerate(small_chunks[6:]):  # ten new puts evict the three moved chunks
+            assert store.put(b"fresh-%d" % i, chunk).result(timeout=60) is True
         store.flush(timeout=60)
         assert [store.where(k) for k in keys[:3]] == ["ssd"] * 3  # demoted, not lost
         e = engine(store)
@@ -291,3 +290,16 @@ def test_flush_waits_for_prefetch_moves(tmp_path, shm_name, small_chunks, keys):
         handle = store.prefetch(keys)
         store.flush(timeout=60)
         assert handle.done() and store.keys("ssd") == []
+
+
+def test_a_hint_bigger_than_the_first_tier_moves_only_what_it_holds_and_wastes_none(tmp_path, shm_name,
+                                                                                    small_chunks, keys):
+    on_ssd(tmp_path, small_chunks, keys)
+    with open_store(tmp_path, shm_name, dram_chunks=2) as store:  # room for ~2 of the 6 (~1.5 MiB raw each)
+        result = store.prefetch(keys).wait(timeout=60)
+        assert 1 <= result.moved <= 2 and result.dropped == 6 - result.queued, result  # the head of the prefix
+        assert [store.where(k) for k in keys[:result.moved]] == ["dram"] * result.moved
+        got = store.get_many(keys)  # the rest is read from the SSD where it stayed
+        assert all(np.array_equal(g, c) for g, c in zip(got, small_chunks))
+        e = engine(store)
+        assert e["prefetch_wasted"] == 0 and e["prefetch_useful"] == result.moved, e
