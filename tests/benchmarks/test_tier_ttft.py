@@ -67,7 +67,9 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
     assert per_token[OURS] <= 0.72 * per_token[STOCK], per_token
 
     section = tiers_section(result)
-    assert {c.case.split(":")[0] for c in section.comparisons} == set(rows) - {"cross-node"}
+    ours_only = {"cross-node", "resume, hint", "resume, no hint"}  # targets, not stock-vs-ours rows
+    assert {c.case.split(":")[0] for c in section.comparisons} == set(rows) - ours_only
     assert all(c.stock_policy and c.ours_policy for c in section.comparisons)
     assert any(name.startswith("cross-node") for name in section.targets)
     assert any(name.startswith("ssd, device") for name in section.targets)
+    assert any(name.startswith("resume, hint") for name in section.targets)
