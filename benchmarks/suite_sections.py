@@ -446,7 +446,7 @@ def tiers(ctx: Context) -> Section:
 
     preset = ctx.preset("tiers")
     if not preset:
-        return Section(notes=["tiers: not in --quick (three cold 4K-token prefills, ~2 minutes each on 2 AVX2 "
+        return Section(notes=["not in --quick (three cold 4K-token prefills, ~2 minutes each on 2 AVX2 "
                               "cores); kvshrink bench without --quick runs it"])
     with ctx.bar(total=None, desc="TTFT by tier", unit="step", leave=False) as bar:
         def progress(text: str) -> None:
