@@ -46,19 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshrink.benchmarks.cascade_bench import FIRST, LAST, judge
+from kvshrink.benchmarks.cascade_bench import FIRST, LAST, TEMPLATES, judge
 
 PLACES = ("Orion", "Vesper", "Kestrel", "Halcyon", "Meridian", "Tamarisk", "Sable", "Corvid", "Juniper", "Altair",
           "Borealis", "Cinder", "Dunmore", "Elmstead", "Foxglove", "Greywater", "Harrow", "Islay", "Jarrah",
           "Kilnsey", "Larkspur", "Marlow", "Northgate", "Oxbow", "Pellam", "Quarry", "Rowan", "Saltmarsh",
           "Thornbury", "Umber", "Valmont", "Wexford")
-TEMPLATES = (
-    ("The access code of the {a} vault is {n4}.", "What is the access code of the {a} vault?", "{n4}"),
-    ("{p} {q} joined the {a} expedition in {year}.", "In which year did {p} {q} join the {a} expedition?", "{year}"),
-    ("The {a} reactor runs at a pressure of {n3} kilopascals.",
-     "At what pressure, in kilopascals, does the {a} reactor run?", "{n3}"),
-    ("The head of the {a} laboratory is {p} {q}.", "Who is the head of the {a} laboratory?", "{p} {q}"),
-)
 SYSTEM = "Answer the question with the exact value from the documents."
 SEPARATOR = "\n\n#####\n\n"
 RATIOS = (0.0, 0.05, 0.15, 0.30)

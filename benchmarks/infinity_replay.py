@@ -36,11 +36,11 @@ from typing import Any, Callable, Sequence
 
 from kvshrink.benchmarks import device_reads as dr
 from kvshrink.benchmarks.comparison import OURS, Budget, TierPolicy
-from kvshrink.benchmarks.e2e_paired import (BYTES_PER_TOKEN, MIB, Arrangement, PairedSettings, Sample, Stack, distinct_chunks, l1_headroom_for,
-                                            largest_request_bytes, replay_arrangement, rotated, side_figures,
-                                            trace_requests)
+from kvshrink.benchmarks.e2e_paired import (BYTES_PER_TOKEN, MIB, Arrangement, PairedSettings, Sample, Stack,
+                                            distinct_chunks, l1_headroom_for, largest_request_bytes,
+                                            replay_arrangement, rotated, side_figures, trace_requests)
 from kvshrink.benchmarks.paired_stats import difference_of_rates, ratio_of_sums, verdict
-from kvshrink.benchmarks.tier_ttft import lmcache_model_name, send_hint
+from kvshrink.benchmarks.tier_ttft import prefetch_stats, send_hint, with_hints_and_idle_demotion
 
 PREFILL_TARGET = 1.05  # half / full total prefill
 WASTE_TARGET = 0.10  # prefetched chunks evicted before they were read / moved
@@ -71,25 +71,16 @@ class InfinityReplay:
         self.hint_url = ""
 
     def _arrangements(self, headroom: float) -> list[Arrangement]:
-        from kvshrink.storage_backends.serve_cache import HINTS_MODULE
-        from kvshrink.testing.launch import free_port
-
         s = self.settings
         full = replay_arrangement("ours", Budget(s.dram_mib, s.ssd_mib), headroom, self.full.workdir,
                                   self.full.shm_name, self.template)
         base = replay_arrangement("ours", Budget(s.dram_mib / 2, s.ssd_mib), headroom, self.half.workdir,
                                   self.half.shm_name, self.template)
-        store = {**base.adapter["adapter_params"]["store"],
-                 "idle_demotion": {"after_s": s.idle_after_s, "scan_interval_s": 0.5, "max_per_scan": 256}}
-        port = free_port()
-        self.hint_url = f"http://127.0.0.1:{port}"
-        hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": lmcache_model_name(self.model)}}
-        half = Arrangement(base.l1_mib, {**base.adapter, "adapter_params": {"store": store}},
-                           TierPolicy(f"KVShrink: shipped default store {s.dram_mib / 2:g} MiB DRAM + {s.ssd_mib:g} MiB "
-                                      f"SSD, idle_demotion.after_s {s.idle_after_s:g}, prefetch hints "
-                                      f"{s.hint_lead_s:g} s ahead (L1 only stages)", "exclusive", 0.0, True),
-                           shm_name=base.shm_name, disk=base.disk, l1_headroom_mib=base.l1_headroom_mib,
-                           extra_args=("--server-module", json.dumps(hints)))
+        half, self.hint_url = with_hints_and_idle_demotion(
+            base, self.model, s.idle_after_s, 0.5,
+            TierPolicy(f"KVShrink: shipped default store {s.dram_mib / 2:g} MiB DRAM + {s.ssd_mib:g} MiB SSD, "
+                       f"idle_demotion.after_s {s.idle_after_s:g}, prefetch hints {s.hint_lead_s:g} s ahead "
+                       "(L1 only stages)", "exclusive", 0.0, True))
         return [full, half]
 
     def run(self) -> dict[str, Any]:
@@ -115,7 +106,7 @@ class InfinityReplay:
             for st in stacks:
                 st.wait_ready()
             samples = self._replay(requests)
-            stats = _prefetch_stats(self.hint_url)
+            stats = prefetch_stats(self.hint_url)
             held = {st.key: st.held() for st in stacks}
             engine = {st.key: _engine(st) for st in stacks}
         finally:
@@ -166,12 +157,6 @@ def _engine(st: Stack) -> dict[str, Any]:
 
     engine = adapter_status(st.server.http_url)["store"]["engine"]
     return {k: v for k, v in engine.items() if k.startswith(("idle_", "prefetch_", "demotion"))}
-
-
-def _prefetch_stats(url: str) -> dict[str, Any]:
-    import httpx
-
-    return httpx.get(f"{url}/v1/prefetch/stats", timeout=10).json()
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:

@@ -57,7 +57,7 @@ import httpx
 from kvshrink.benchmarks import device_reads as dr
 from kvshrink.benchmarks import remote_link as rl
 from kvshrink.benchmarks.comparison import OURS, STOCK, TierPolicy
-from kvshrink.benchmarks.e2e_paired import (Arrangement, E2EError, Sample, Stack, corpus_tokens, ours_adapter, rotated,
+from kvshrink.benchmarks.e2e_paired import (Arrangement, E2EError, Sample, Stack, hot_prompt, ours_adapter, rotated,
                                             reconfigure, stock_fs_native)
 from kvshrink.benchmarks.paired_stats import paired_ratio, verdict
 
@@ -102,17 +102,6 @@ class Row:
         if self.target is not None:
             self.verdict = verdict({"low": r["low"], "high": r["high"]}, self.target)
         return self
-
-
-def _prompt(model: Path, tokens: int) -> list[int]:
-    ids = corpus_tokens(model, "code")
-    if tokens > len(ids):
-        raise E2EError(f"the code corpus has {len(ids)} tokens, not enough for a {tokens}-token prompt")
-    return ids[:tokens]
-
-
-def _resp(server: Any) -> dict[str, Any]:
-    return rl.stock_spec(server)
 
 
 def _ours_remote(server: Any) -> dict[str, Any]:
@@ -166,7 +155,7 @@ class TierTTFT:
         from kvshrink.configs import store_record
 
         s = self.settings
-        prompt = _prompt(self.model, s.prompt_tokens)
+        prompt = hot_prompt(self.model, s.prompt_tokens)
         out: dict[str, Any] = {"settings": asdict(s), "prompt": digest(prompt), "model": model_fingerprint(self.model),
                                "store_config": store_record(self.template), "rows": [], "notes": self.notes}
         try:
@@ -213,7 +202,7 @@ class TierTTFT:
 
     def _launch(self, redis: dict[str, Any]) -> None:
         self.progress("starting the cache servers and vLLM")
-        stock_extra = (_resp(redis[STOCK]),) if redis else ()
+        stock_extra = (rl.stock_spec(redis[STOCK]),) if redis else ()
         ours_extra = (_ours_remote(redis[OURS]),) if redis else ()
         arrangements = [self._stock_ssd(*stock_extra), self._ours_ssd(*ours_extra)]
         stacks = [self.stock, self.ours]
@@ -302,24 +291,13 @@ class TierTTFT:
         and the prefetch-hint endpoint. Each step, in rotating order: the session's KV in our DRAM
         tier (a hint, waited for); resumed from SSD (demoted while idle, page cache dropped) with
         the hint sent ``hint_lead_s`` before the request; the same without a hint."""
-        from kvshrink.storage_backends.serve_cache import HINTS_MODULE
-        from kvshrink.testing.launch import free_port
-
         s, ours = self.settings, self.ours
-        port = free_port()
-        hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": lmcache_model_name(self.model)}}
-        base = self._ours_ssd()
-        store = base.adapter["adapter_params"]["store"]
-        store = {**store, "idle_demotion": {"after_s": s.idle_after_s, "scan_interval_s": 0.25, "max_per_scan": 256}}
-        arrangement = Arrangement(base.l1_mib, {**base.adapter, "adapter_params": {"store": store}},
-                                  TierPolicy(f"KVShrink: L1 {s.l1_mib:.0f} MiB (cleared) + shipped default store, "
-                                             f"idle_demotion.after_s {s.idle_after_s:g} + prefetch hints",
-                                             "exclusive", s.l1_mib, False),
-                                  shm_name=base.shm_name, disk=base.disk,
-                                  extra_args=("--server-module", json.dumps(hints)))
+        arrangement, url = with_hints_and_idle_demotion(
+            self._ours_ssd(), self.model, s.idle_after_s, 0.25,
+            TierPolicy(f"KVShrink: L1 {s.l1_mib:.0f} MiB (cleared) + shipped default store, "
+                       f"idle_demotion.after_s {s.idle_after_s:g} + prefetch hints", "exclusive", s.l1_mib, False))
         self.progress("resume: restarting ours with hints and idle demotion")
         reconfigure([ours], [arrangement], wipe=False)
-        url = f"http://127.0.0.1:{port}"
         chunks = len(prompt) // s.chunk_tokens
         samples: dict[str, list[dict[str, Any]]] = {"dram": [], "hint": [], "no hint": []}
         for step in range(s.pairs):
@@ -337,7 +315,7 @@ class TierTTFT:
                         time.sleep(s.hint_lead_s)
                 sample = self._request(ours, prompt)
                 samples[case].append({**asdict(sample), "dram_chunks_after": self._dram_chunks()})
-        out["prefetch_stats"] = httpx.get(f"{url}/v1/prefetch/stats", timeout=10).json()
+        out["prefetch_stats"] = prefetch_stats(url)
         policies = {"dram": vars(arrangement.policy), "ours": vars(arrangement.policy)}
         return [Row(f"resume, {case}", f"KV Infinity: session resumed from SSD (idle-demoted, page cache dropped) "
                     f"{'with a prefetch hint ' + format(s.hint_lead_s, 'g') + ' s ahead' if case == 'hint' else 'without a hint'}"
@@ -359,7 +337,7 @@ class TierTTFT:
         """Stock restarted on its RESP adapter alone, against node B (Redis only)."""
         self.progress("remote tier")
         self.ours.close()  # done with node A: its cores go back to the other stacks
-        reconfigure([self.stock], [self._remote(_resp(self.redis[STOCK]), "stock")], wipe=False)
+        reconfigure([self.stock], [self._remote(rl.stock_spec(self.redis[STOCK]), "stock")], wipe=False)
         return self._pairs_between("remote", f"warm from Redis across a {self.settings.link_mbit / 1000:g} Gbit/s "
                                    "link (ours: chunks node A stored; the Redis tier alone)", prompt, self.stock,
                                    self.node_b)
@@ -487,6 +465,28 @@ def lmcache_model_name(model: Path) -> str:
     """The model name LMCache's keys carry: vLLM's ``model_config.model``, the path it loaded (not
     ``--served-model-name``; LMCache's mp connector)."""
     return str(model)
+
+
+def with_hints_and_idle_demotion(base: Arrangement, model: Path, idle_after_s: float, scan_interval_s: float,
+                                 policy: TierPolicy) -> tuple[Arrangement, str]:
+    """``base`` (ours) with idle demotion on in its store and the prefetch-hint server module on a
+    free loopback port; returns the arrangement and the hint endpoint's base URL."""
+    from kvshrink.storage_backends.serve_cache import HINTS_MODULE
+    from kvshrink.testing.launch import free_port
+
+    port = free_port()
+    hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": lmcache_model_name(model)}}
+    store = {**base.adapter["adapter_params"]["store"],
+             "idle_demotion": {"after_s": idle_after_s, "scan_interval_s": scan_interval_s, "max_per_scan": 256}}
+    arrangement = Arrangement(base.l1_mib, {**base.adapter, "adapter_params": {"store": store}}, policy,
+                              shm_name=base.shm_name, disk=base.disk, l1_headroom_mib=base.l1_headroom_mib,
+                              extra_args=("--server-module", json.dumps(hints)))
+    return arrangement, f"http://127.0.0.1:{port}"
+
+
+def prefetch_stats(url: str) -> dict[str, Any]:
+    """The hint endpoint's counters and the store's ``prefetch_*`` counters."""
+    return httpx.get(f"{url}/v1/prefetch/stats", timeout=10).json()
 
 
 def send_hint(url: str, prompt: list[int], session_id: str = "bench") -> dict[str, Any]:

@@ -193,21 +193,20 @@ class Prefetcher:
 
     def read(self, keys: Sequence[bytes]) -> None:
         """``keys`` were read from the first tier: a moved one was useful."""
-        if not self._moved:
-            return
-        with self._lock:
-            useful = sum(self._moved.pop(k, 0) is None for k in keys)
-        if useful:
-            self.counters.add("prefetch_useful", useful)
+        self._settle_moved(keys, "prefetch_useful")
 
     def evicted(self, keys: Sequence[bytes]) -> None:
         """``keys`` left the first tier (evicted, demoted): a moved one not read since was wasted."""
+        self._settle_moved(keys, "prefetch_wasted")
+
+    def _settle_moved(self, keys: Sequence[bytes], counter: str) -> None:
+        """Count under ``counter`` the keys of ``keys`` moved and not settled yet, and forget them."""
         if not self._moved:
             return
         with self._lock:
-            wasted = sum(self._moved.pop(k, 0) is None for k in keys)
-        if wasted:
-            self.counters.add("prefetch_wasted", wasted)
+            settled = sum(self._moved.pop(k, 0) is None for k in keys)
+        if settled:
+            self.counters.add(counter, settled)
 
     def forget(self, key: bytes) -> None:
         """``key`` was deleted or overwritten: neither useful nor wasted."""
