@@ -309,7 +309,7 @@ class TierTTFT:
                     send_hint(url, prompt)
                     self._wait_dram(lambda n: n >= chunks, f"the hint to bring {chunks} chunks to DRAM")
                 else:
-                    dr.drop_cached([base.disk])
+                    dr.drop_cached([arrangement.disk])
                     if case == "hint":
                         send_hint(url, prompt)
                         time.sleep(s.hint_lead_s)

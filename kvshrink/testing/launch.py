@@ -58,7 +58,11 @@ class ManagedProcess:
     def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, log_path: Path | None = None,
                  cwd: Path | None = None) -> None:
         self.argv = list(argv)
-        self.env = {**os.environ, **(env or {})}
+        # LMCache's in-process engine sets PROMETHEUS_MULTIPROC_DIR in os.environ (a fixed
+        # /tmp/lmcache_prometheus); children that inherit it share one metrics folder and every
+        # vLLM's /metrics then sums all of them. A child gets it only when asked for by name.
+        inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        self.env = {**inherited, **(env or {})}
         self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"kvshrink-{self.name}-", suffix=".log")[1])
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
