@@ -40,6 +40,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from kvshrink.errors import CorruptDataError, StoreUnavailableError
 from kvshrink.store.arena import SUPERBLOCK, Arena, Block, Room, block_size_for
 from kvshrink.store.config import TierConfig
@@ -86,6 +88,7 @@ class DramTier(Tier):
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a block evicted while being read came back
         self._blocks: dict[bytes, Block] = {}
+        self._frame_bytes = 0  # sum of frame_len over _blocks, kept with it under _lock (usage())
         self._lru = LruIndex(config.eviction)
         self._readers: dict[int, int] = {}  # block offset -> threads decoding from it
         self._doomed: dict[int, int] = {}  # removed while read (offset -> size): freed by the last reader
@@ -101,6 +104,7 @@ class DramTier(Tier):
                         "again and their chunks are dropped", self.name, self.path, len(self._arena.damaged),
                         self._arena.damaged[:8])
         self._blocks = {b.key: b for b in blocks}
+        self._frame_bytes = sum(b.frame_len for b in self._blocks.values())
         self._lru = LruIndex(self.config.eviction)
         for block in blocks:  # oldest first: insertion order is the best LRU guess after a restart
             self._lru.add(block.key, block.size)
@@ -181,10 +185,21 @@ class DramTier(Tier):
             if key in self._blocks:  # the old copy, when room was made without freeing it
                 self._remove_locked(key)
             self._blocks[key] = block
+            self._frame_bytes += block.frame_len
             self._lru.add(key, block.size)
         self.counters.add("puts")
         self.counters.add("put_bytes", frame_len)
         return victims
+
+    def holds_frame(self, key: bytes, frame: Buffer) -> bool:
+        """A memory compare with the indexed block (cheaper than the rewrite it saves); the
+        chunk is touched when it is found. A read-only attacher never claims it (it does not write)."""
+        if self.readonly:
+            return False
+        with self._open_block(key) as block:
+            if block is None or block.frame_len != memoryview(frame).nbytes:
+                return False
+            return bool(np.array_equal(self._arena.payload(block), np.frombuffer(frame, dtype=np.uint8)))
 
     @contextmanager
     def _open_block(self, key: bytes, touch: bool = True) -> Iterator[Block | None]:
@@ -239,7 +254,9 @@ class DramTier(Tier):
             self.delete(key)
             return
         with self._lock:  # a reader cannot free the owner's block; it stops looking at it
-            self._blocks.pop(key, None)
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                self._frame_bytes -= block.frame_len
             self._lru.pop(key)
 
     def _verified(self, key: bytes) -> bool:
@@ -263,8 +280,9 @@ class DramTier(Tier):
             return self._lru.keys()
 
     def usage(self) -> tuple[int, int]:
+        """(frame bytes, chunks): a running total, O(1), since a prefetch hint is sized by it."""
         with self._lock:
-            return sum(b.frame_len for b in self._blocks.values()), len(self._blocks)
+            return self._frame_bytes, len(self._blocks)
 
     def extra_stats(self) -> dict[str, Any]:
         return {"hugepages": self.hugepages, "mlocked": self.mlocked, "path": str(self.path)}
@@ -276,6 +294,7 @@ class DramTier(Tier):
             if self._readers:
                 raise StoreUnavailableError(f"tier {self.name}: close() while {len(self._readers)} reads run")
             self._blocks.clear()
+            self._frame_bytes = 0
         self._arena.close()  # closing the fd also releases the owner flock
         self._arena = None
 
@@ -343,6 +362,7 @@ class DramTier(Tier):
 
     def _remove_locked(self, key: bytes) -> None:
         block = self._blocks.pop(key)
+        self._frame_bytes -= block.frame_len
         self._lru.pop(key)
         if block.offset in self._readers:
             self._doomed[block.offset] = block.size

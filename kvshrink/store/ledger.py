@@ -170,7 +170,8 @@ class CopyLedger:
         tiers finished before the body runs; moves that begin inside are born doomed."""
         with self._cv:
             self._superseding[key] += 1
-            self._doom_locked(key)
+            if self._doom_locked(key):
+                self.moved += 1  # its parked copy went, the new one is in place: a read that missed looks again
             for index in hide_in:
                 self.stale[index].add(key)
             self._cv.wait_for(lambda: not any(self._landing[(key, t)] for t in wait_for))
@@ -239,6 +240,19 @@ class CopyLedger:
             if end and entry.move is not None:
                 self._end_locked(entry.move)
         return entry
+
+    def recall(self, key: bytes, target: int) -> None:
+        """The demotion of ``key`` to remote tier ``target`` is undone (the chunk stayed in the
+        faster tier): its parked chunk is dropped, its move doomed (a landing in progress then
+        does not count as the current value) and whatever the target holds under it hidden."""
+        with self._cv:
+            entry = self.parked.get(key)
+            if entry is not None and entry.target == target:
+                if entry.move is not None:
+                    entry.move.doomed = True
+                self._pop_locked(key, end=True)
+            self.stale[target].add(key)
+            self.backed[target].discard(key)
 
     def oldest_parked(self) -> tuple[bytes, Parked] | None:
         with self._cv:

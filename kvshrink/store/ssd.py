@@ -71,6 +71,7 @@ CLEAN_MARKER = "CLEAN"
 CLEAN_FORMAT = 1
 LOCK_FILE = "LOCK"
 NOT_CLOSED = "the last owner did not close cleanly"
+_OPEN_TRIES = 3  # opens of a chunk file that a concurrent write keeps replacing, before a miss
 
 
 def chunk_name(key: bytes) -> str:
@@ -334,15 +335,8 @@ class SsdTier(Tier):
 
     def _read_file(self, key: bytes) -> memoryview | None:
         """The whole file in a per-thread reusable buffer (no page faults on fresh memory)."""
-        try:
-            fd = os.open(self.path_for(key), os.O_RDONLY)
-        except FileNotFoundError:
-            with self._lock:  # deleted behind our back: forget it
-                self._forget_locked(key)
-            return None
-        except OSError as exc:
-            self.counters.add("errors")
-            log.warning("tier %s: cannot open chunk %s: %s", self.name, key.hex()[:32], exc)
+        fd = self._open_chunk(key)
+        if fd is None:
             return None
         try:
             stat = os.fstat(fd)
@@ -364,6 +358,32 @@ class SsdTier(Tier):
             return None
         finally:
             os.close(fd)
+
+    def _open_chunk(self, key: bytes) -> int | None:
+        """A read-only descriptor of the chunk file of ``key``, or None (a miss).
+
+        A file that is not there was deleted since the caller saw the entry, by the store (an
+        eviction, a re-put retiring this copy) or by hand. Only the latter leaves an entry
+        behind: under the tier lock a write renames its file into place before it indexes it,
+        and an eviction or delete unindexes and unlinks in one section, so an entry whose file
+        is absent *under the lock* is stale and is forgotten. A file that is back under the lock
+        is a write that replaced it meanwhile (a delete then a put, the demotion of a re-put
+        chunk): it is read instead; forgetting the entry then would lose the chunk, its file
+        unindexed until the next rescan."""
+        path = self.path_for(key)
+        for _ in range(_OPEN_TRIES):
+            try:
+                return os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                with self._lock:
+                    if not path.exists():
+                        self._forget_locked(key)
+                        return None
+            except OSError as exc:
+                self.counters.add("errors")
+                log.warning("tier %s: cannot open chunk %s: %s", self.name, key.hex()[:32], exc)
+                return None
+        return None  # replaced again and again while we opened it: a miss, the entry stays
 
     def _discard_corrupt(self, key: bytes, reason: str) -> None:
         path = self.path_for(key)

@@ -117,6 +117,13 @@ class Tier(ABC):
     def usage(self) -> tuple[int, int]:
         """(bytes stored, chunks stored)."""
 
+    def holds_frame(self, key: bytes, frame: Buffer) -> bool:
+        """Whether the tier holds ``frame`` under ``key`` byte for byte, as far as it can tell
+        cheaply: the store then refreshes the chunk instead of rewriting it (a rewrite may leave
+        a moment with no readable copy). True marks the chunk as recently used. Tiers where a
+        look costs I/O or a round trip say False: the write follows as usual."""
+        return False
+
     def plan_eviction(self, key: bytes, frame_len: int) -> list[bytes]:
         """Keys that writing ``frame_len`` bytes under ``key`` would evict now, oldest first,
         without evicting them: the store copies them below *before* the write, so a crash

@@ -5,7 +5,8 @@
   there, False when the engine was full and dropped it (counted). Write-back to ``write_back``
   tiers follows in the background. Before the Future is True, every older copy of the key in the
   other tiers is unreachable: deleted from local tiers, hidden on remote ones until overwritten
-  (see :class:`~kvshrink.store.ledger.CopyLedger`).
+  (see :class:`~kvshrink.store.ledger.CopyLedger`). A put of the value a DRAM first tier holds
+  already, byte for byte, refreshes it there instead of rewriting it (no moment without a copy).
 * A chunk evicted from tier *i* is demoted to tier *i+1* unless that tier already holds its
   current value (a write-back copy), whose own evictions demote further; the last tier drops.
   Demotion to a local tier runs on the worker that evicted; demotion to a remote tier (Redis) is
@@ -57,7 +58,7 @@ from kvshrink.store.ledger import PUMP_RETRY_S, CopyLedger, Move, Parked  # noqa
 from kvshrink.store.idle import IdleDemoter, IdleTracker
 from kvshrink.store.placements import PlacementListener, PlacementListeners
 from kvshrink.store.prefetch import PrefetchHandle, Prefetcher
-from kvshrink.store.tier_base import Tier, TierFullError, check_key
+from kvshrink.store.tier_base import Tier, TierFullError, Victim, check_key
 from kvshrink.store import tier_codecs
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,9 @@ class TieredStore:
         first copied below (durably; to a remote tier: parked in memory), and only then evicted
         (those first), so neither a crash nor a concurrent reader ever finds a chunk in no tier.
         Victims the plan did not foresee (the tier's plan changed meanwhile: reads, pins) are
-        demoted after; a read that misses one in between waits for that demotion.
+        demoted after; a read that misses one in between waits for that demotion. Planned
+        victims the write did not evict (pinned meanwhile) lose their copy in an exclusive tier
+        below again (:meth:`_settle_planned`): a chunk is never in two exclusive tiers.
         Keys that may have left the store (every victim not demoted by this call: last-tier
         victims, failed demotions, planned victims) are appended to ``lost``; the job checks and
         reports them once every lock is released, so whichever writer removes a key's last copy
@@ -217,22 +220,29 @@ class TieredStore:
                 return False
             if promoted_from in self._local and not self.tiers[promoted_from].contains(key):
                 return False  # dropped from there meanwhile: a promotion must not bring it back
-            planned = [] if last else tier.plan_eviction(key, memoryview(frame).nbytes)
+            # a re-put of the value stored here is a refresh, not a rewrite: a full DRAM arena
+            # frees the old block before the new one is indexed, and a read in between would
+            # find no copy anywhere (an exclusive tier below has none)
+            refresh = supersede and tier.holds_frame(key, frame)
+            planned = [] if last or refresh else tier.plan_eviction(key, memoryview(frame).nbytes)
             early = set(planned)
-            if planned:
-                self._demote(index, self._capture(index, planned), lost)
+            copied = self._demote(index, self._capture(index, planned), lost, count=False) if planned else []
             unnamed = None if last else self._ledger.begin_victims()
+            victims: list[Victim] = []
             try:
                 with self._ledger.landing(move, key, index) as ok:
                     if not ok:
                         return False
-                    keep = False if last else partial(self._keep_unplanned, index, early, marked)
-                    victims = tier.write_frame(key, frame, keep_victims=keep, evict_first=planned)
+                    if not refresh:
+                        keep = False if last else partial(self._keep_unplanned, index, early, marked)
+                        victims = tier.write_frame(key, frame, keep_victims=keep, evict_first=planned)
                     self._ledger.landed(index, key, move)
                 later = [] if unnamed is None else [
                     (v.key, v.frame, self._ledger.adopt(unnamed, v.key)) for v in victims if v.key not in early]
             finally:
                 self._ledger.end(unnamed)
+                if copied:  # also when the write failed or was doomed: it evicted nothing then
+                    self._settle_planned(index, copied, victims)
             if promoted_from is not None:
                 self._after_promotion(promoted_from, key, move)
             if supersede:
@@ -253,6 +263,31 @@ class TieredStore:
             lost += [v.key for v in victims if v.key in early]
         self._demote(index, later, lost)
         return True
+
+    def _settle_planned(self, index: int, copied: list[bytes], victims: list[Victim]) -> None:
+        """Count the demotions of the planned victims of tier ``index`` that the write evicted,
+        and undo the copies below of those it did not evict after all: pinned by a lookup
+        between the plan and the write (the tier skips pinned chunks), no longer needed by the
+        tier's plan, or the write failed or was doomed. They stay in tier ``index``; in an
+        exclusive tier below, the copy goes (a parked one is recalled), so the chunk is in one
+        tier and the budgets add up; a later eviction demotes it again. Called under tier
+        ``index``'s write lock, so nothing else evicts it from there meanwhile: a read finds it
+        there throughout. A key gone from tier ``index`` meanwhile (deleted, quarantined) keeps
+        its copy below, which may be the only good one. A put or write-back tier below holds
+        copies by design: nothing is undone there."""
+        below = index + 1
+        evicted = {v.key for v in victims}
+        undone: list[bytes] = []
+        if below in self._exclusive:
+            undone = [k for k in copied if k not in evicted and self.tiers[index].contains(k)]
+        for key in undone:
+            if below in self._remote:
+                self._ledger.recall(key, below)
+            else:
+                self.tiers[below].delete(key)
+        if below in self._local:  # a parked chunk counts as a demotion once it lands
+            self.tiers[index].counters.add("demotions", len(copied) - len(undone))
+        self._placements.notify(undone)
 
     def _keep_unplanned(self, index: int, planned: set[bytes], marked: list[bytes], key: bytes) -> bool:
         """keep_victims of a write into tier ``index`` (called by the tier, under its lock, for
@@ -279,10 +314,17 @@ class TieredStore:
 
     def _retire_older_copies(self, key: bytes, index: int) -> None:
         """Delete ``key`` from the local tiers that are not put tiers (a put tier gets the new
-        value from this put): what they held is an older value. In the superseding section."""
+        value from this put): what they held is an older value. In the superseding section.
+
+        The new copy is readable in tier ``index`` already, but a read that looked there just
+        before it landed and looks at the older copy's tier just after it went would miss a
+        chunk stored throughout (a re-put of a chunk on an exclusive SSD). So the ledger's
+        ``moved`` count goes up before each delete, as for a promotion: such a read looks again."""
         for t in self._local:
             if t != index and t not in self._put_tiers:
-                self.tiers[t].delete(key)
+                if self.tiers[t].contains(key):
+                    self._ledger.note_moved()
+                self.tiers[t].delete(key)  # also when not indexed: an SSD rescan must not adopt it
 
     def _after_promotion(self, source: int, key: bytes, move: Move | None) -> None:
         """A promotion of ``key`` out of tier ``source`` landed: an exclusive source lets go of
@@ -318,9 +360,13 @@ class TieredStore:
             return self._ledger.holds(index, key)
         return self.tiers[index].contains(key)
 
-    def _demote(self, index: int, victims: list[tuple[bytes, bytes | None, Move | None]], lost: list[bytes]) -> None:
-        """Move victims of tier ``index`` (key, frame, move) to the tier below; ends each move."""
+    def _demote(self, index: int, victims: list[tuple[bytes, bytes | None, Move | None]],
+                lost: list[bytes], count: bool = True) -> list[bytes]:
+        """Move victims of tier ``index`` (key, frame, move) to the tier below; ends each move.
+        Returns the keys this call copied there (written, or parked for a remote tier); counts
+        the written ones as demotions unless ``count`` is False (the caller counts them)."""
         below = index + 1
+        copied: list[bytes] = []
         for key, frame, move in victims:
             try:
                 if self._holds_current(below, key):
@@ -334,6 +380,7 @@ class TieredStore:
                     continue
                 if below in self._remote:
                     self._park(key, frame, index, move, lost)
+                    copied.append(key)
                     move = None  # the parked chunk owns it now
                     continue
                 try:
@@ -344,9 +391,12 @@ class TieredStore:
                     log.warning("demotion of %s to tier %s failed: %s", key.hex()[:32], self.tiers[below].name, exc)
                     lost.append(key)
                     continue
-                self.tiers[index].counters.add("demotions")
+                copied.append(key)
+                if count:
+                    self.tiers[index].counters.add("demotions")
             finally:
                 self._ledger.end(move)
+        return copied
 
     def _held_elsewhere(self, key: bytes, index: int) -> bool:
         return any(self.tiers[t].contains(key) for t in self._local if t != index)

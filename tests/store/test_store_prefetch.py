@@ -233,13 +233,10 @@ def test_idle_chunks_go_down_to_redis_and_a_hint_brings_them_back(tmp_path, shm_
 
 
 def test_hints_reads_puts_and_idle_demotion_at_once_lose_nothing(tmp_path, shm_name, small_chunks):
-    """Hints and reads under lookups (pins) race with idle demotion on a DRAM tier that holds 8 of
-    16 chunks: no read misses, every chunk stays held and bit-exact.
-
-    Not asserted here: that no chunk is in both tiers (a planned eviction victim pinned between
-    the plan and the eviction keeps its new copy below, also without prefetch), nor re-puts of
-    the same keys meanwhile (a read racing a re-put of a chunk held on the SSD can miss, also
-    without prefetch or idle demotion)."""
+    """Hints, reads under lookups (pins) and re-puts of the same content race with idle demotion
+    on a DRAM tier that holds 8 of 16 chunks: no read misses, every chunk stays held and
+    bit-exact, and none ends in both tiers (a planned eviction victim pinned between the plan
+    and the eviction, or a re-put of a chunk on the SSD: test_store_races.py forces each)."""
     import random
 
     keys = [b"race-%02d" % i for i in range(16)]
@@ -269,8 +266,17 @@ def test_hints_reads_puts_and_idle_demotion_at_once_lose_nothing(tmp_path, shm_n
                 finally:
                     store.unlock([k for k, hit in zip(batch, found) if hit])
 
+        def re_putter(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop:
+                key = rng.choice(keys)
+                if store.put(key, chunk_of[key]).result(timeout=60) is not True:
+                    errors.append(f"a re-put of {key!r} was dropped")
+                time.sleep(rng.random() * 0.02)
+
         threads = [threading.Thread(target=hinter, args=(i,)) for i in range(2)]
         threads += [threading.Thread(target=reader, args=(10 + i,)) for i in range(2)]
+        threads.append(threading.Thread(target=re_putter, args=(20,)))
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -278,6 +284,9 @@ def test_hints_reads_puts_and_idle_demotion_at_once_lose_nothing(tmp_path, shm_n
         store.flush(timeout=60)
         assert errors == []
         assert [store.where(k) is not None for k in keys] == [True] * 16  # (idle demotion still runs)
+        with store._write_locks[0]:  # holds idle demotion and prefetch moves, which copy before they remove
+            both = set(store.keys("dram")) & set(store.keys("ssd"))
+        assert both == set(), f"{sorted(both)} are in both tiers"
         assert all(np.array_equal(g, chunk_of[k]) for k, g in zip(keys, store.get_many(keys)))
         e = engine(store)
         assert e["prefetch_errors"] == 0 and e["background_errors"] == 0 and e["keys_dropped"] == 0
