@@ -22,33 +22,21 @@ builds the new prompt's KV from such pieces, CacheBlend's way:
 
 ``benchmarks/fuse_quality.py`` measures what this costs in quality against a full prefill.
 
-How it plugs into serving (the next step; nothing below exists yet)
---------------------------------------------------------------------
+How it plugs into serving: :mod:`kvshrink.fuse.server_module`
+-------------------------------------------------------------
 vLLM's scheduler only takes a *prefix* count of externally computed tokens, so the fused KV must
-reach vLLM as an ordinary LMCache prefix hit. The plan needs no patch of vLLM or LMCache:
+reach vLLM as an ordinary LMCache prefix hit. No patch of vLLM or LMCache is needed: ``lmcache
+server --server-module '{"module_path": "kvshrink.fuse.server_module", "config": {"store_config":
+PATH}}'`` (the store YAML's ``fuse:`` section; off by default) replaces LMCache's ``commit_store``
+(the engine-driven store path vLLM CPU uses: stored chunks join a :class:`ContentIndex` per model
+and tenant) and ``lookup``: a request whose ``cache_salt`` is :func:`~kvshrink.fuse.keys.fused_salt`
+is fused on the module's own thread (the reusable chunks read by their original keys, re-rotated,
+recomputed with :class:`FuseEngine`, written under the prompt's own chunk keys with the fused salt),
+then the built-in lookup finds a prefix hit. ``query_prefetch_status`` answers "still running"
+meanwhile. A missing, damaged or unknown-layout chunk makes the request an ordinary prefill.
+Requests without a fused salt never see fused chunks; fusion off = no handler replaced = stock.
+It lives here, not in storage_backends/, because that layer may not import this one.
 
-* A server module, ``lmcache server --server-module '{"module_path":
-  "kvshrink.storage_backends.fuse_module", "config": {"ratio": 0.15, "check_layer": 1,
-  "model_path": ...}}'``, registers RPC handlers after the built-ins (same-named ones replace
-  them). It wraps ``commit_store`` (the engine-driven store path vLLM CPU uses): after the stock
-  handler, the committed prompt's full chunks are added to a :class:`ContentIndex` under their
-  object keys, with their start positions (and, with a configured separator, the documents cut
-  from the prompt). Evictions (the store's delete notifications) remove them.
-* It wraps ``lookup``. A request opts into fusion by its ``cache_salt``: vLLM passes the
-  OpenAI request's ``cache_salt`` into every ``ObjectKey``, and a client (or our proxy) that
-  wants fusion sends ``fused_salt(settings, own_salt)``. For such a key the module: (1) if every
-  full chunk is already stored under the fused salt, delegates (a repeat of a fused prompt is a
-  plain hit); (2) otherwise reads the exact prefix chunks and the matched runs by their original
-  (unsalted) keys, (3) runs :meth:`FuseEngine.fuse` on a thread of its own (fusion takes seconds
-  on CPU; LMCache's lookup gives up after 300 s), (4) writes the full chunks of the result under
-  the prompt's own chunk hashes *with the fused salt* (``reserve_write`` / ``finish_write``), and
-  (5) calls the built-in lookup, which now finds a prefix hit; vLLM loads it and computes the tail.
-  Any missing, evicted or unreadable piece makes the module delegate without fusing (an ordinary
-  prefill, the right answer).
-* Requests without a fused salt never see fused chunks; fusion off = no handler wrapped = stock.
-  Fused chunks are ordinary chunks of our store (compressed, tiered, evictable); their keys end
-  with a salt :func:`is_fused_salt` recognizes, so they can be counted and evicted on their own.
-
-Dependencies: torch and transformers (the ``cpu`` / ``gpu`` extras). Imports nothing of ours but
-``kvshrink.errors``.
+Dependencies: torch and transformers (the ``cpu`` / ``gpu`` extras); the server module also LMCache.
+Imports nothing of ours but the foundation (``kvshrink.errors``, ``kvshrink.config_checks``).
 """

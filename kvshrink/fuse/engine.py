@@ -161,6 +161,20 @@ class FuseEngine:
         return self.run(token_ids, kv, _indices(todo), logits_at=logits_at, reused_tokens=n_reused,
                         check=(check_layer, reused, keep))
 
+    @torch.inference_mode()
+    def layer0_keys(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Post-RoPE layer-0 keys ``[T, H*D]`` (float32) of ``token_ids`` at ``positions``.
+
+        They depend on the tokens and positions only (no attention has mixed anything in yet), so
+        KV stored by another engine can be checked against them: a wrong layout, another model or
+        damaged bytes deviate by far more than bf16 rounding."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        layer = self._layers[0]
+        x = layer.input_layernorm(self.model.model.embed_tokens(ids).float())
+        cos, sin = self.rope.cos_sin(torch.as_tensor(list(positions), dtype=torch.int64))
+        k = apply_rope(layer.self_attn.k_proj(x).view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        return k.reshape(len(ids), -1)
+
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Queries ``[S, H_q, D]`` over buffer rows ``[T, H_kv*D]`` -> ``[S, H_q*D]``.
 

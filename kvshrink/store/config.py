@@ -142,7 +142,11 @@ _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 def parse_store_config(data: Any) -> StoreConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", f"expected a mapping with a 'tiers' list, got {type(data).__name__}")
-    reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close", "prefetch", "idle_demotion"})
+    # `fuse:` configures KV Fuse (kvshrink.fuse.server_module reads and validates it from the same file);
+    # the store itself does nothing with it, so only its shape is checked here
+    mapping_value(data.get("fuse"), "fuse")
+    reject_unknown([k for k in data if k != "fuse"],
+                   {"tiers", "engine", "promote_on_hit", "persist_on_close", "prefetch", "idle_demotion"})
     tiers_data = data.get("tiers")
     if not isinstance(tiers_data, list) or not tiers_data:
         raise ConfigError("tiers", "expected a non-empty list of tiers, fastest first")
