@@ -43,9 +43,11 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
     for name in ("resume, hint", "resume, no hint"):  # every request loaded the whole prefix from our tiers
         assert all(x["l2_hit_tokens"] == PROMPT for side in ("stock", "ours") for x in rows[name][side]), name
     assert all(x["dram_chunks_after"] == 0 for x in rows["resume, no hint"]["ours"])  # read from SSD, not moved up
-    assert all(x["dram_chunks_after"] >= PROMPT // 256 for x in rows["resume, hint"]["ours"])  # the hint moved it
-    moved = result["prefetch_stats"]["store"]["prefetch_moved"]
-    assert moved >= 2 * 2 * PROMPT // 256, result["prefetch_stats"]  # hint and DRAM cases, two steps each
+    # The hint moved the prefix up and its request read it there: the store's own counters (what
+    # DRAM holds after the request depends on the clock: idle demotion empties it 3 s after the read).
+    store = result["prefetch_stats"]["store"]
+    hinted = 2 * 2 * PROMPT // 256  # hint and DRAM cases, two steps each
+    assert store["prefetch_moved"] >= hinted and store["prefetch_useful"] >= hinted, result["prefetch_stats"]
 
     for name, row in rows.items():
         if name == "cross-node" or name.startswith("resume"):
