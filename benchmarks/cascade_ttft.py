@@ -138,9 +138,12 @@ class CascadeTTFT:
     """One vLLM and the cascade proxy in front of it, started together; :meth:`run` measures."""
 
     def __init__(self, model: Path, settings: CascadeTTFTSettings, log_dir: Path,
-                 progress: Callable[[str], None] = print) -> None:
+                 progress: Callable[[str], None] = print, upstream: Any = None) -> None:
+        """``upstream``: a vLLM server already serving ``model`` as ``MODEL`` with ``ENGINE_ARGS``
+        (the tests share one); it is used and left running. Without it, :meth:`start` launches one."""
         self.model, self.settings, self.log_dir, self.progress = model, settings, log_dir, progress
-        self.vllm: Any = None
+        self.own_vllm = upstream is None
+        self.vllm: Any = upstream
         self.proxy: Any = None
         self.proxy_url = ""
 
@@ -149,8 +152,9 @@ class CascadeTTFT:
         from kvshrink.testing.launch import LOOPBACK, ManagedProcess, VLLMServer, _http_ok, free_port
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.vllm = VLLMServer(self.model, served_model_name=MODEL, extra_args=ENGINE_ARGS, kv_cache_space_gb=1,
-                               max_model_len=max_model_len, log_path=self.log_dir / "vllm.log").launch()
+        if self.own_vllm:
+            self.vllm = VLLMServer(self.model, served_model_name=MODEL, extra_args=ENGINE_ARGS, kv_cache_space_gb=1,
+                                   max_model_len=max_model_len, log_path=self.log_dir / "vllm.log").launch()
         port = free_port()
         self.proxy_url = f"http://{LOOPBACK}:{port}"
         self.proxy = ManagedProcess([sys.executable, "-m", "kvshrink.cli", "cascade", "serve", "--upstream",
@@ -162,7 +166,7 @@ class CascadeTTFT:
         self.vllm.wait_serving(600)
 
     def close(self) -> None:
-        for proc in (self.proxy, self.vllm):
+        for proc in (self.proxy, self.vllm if self.own_vllm else None):
             if proc is not None:
                 proc.stop()
 

@@ -1,5 +1,5 @@
 """Fixtures of the cascade tests: the real SmolLM2 condenser (loaded once per session), the vLLM
-stand-in and the proxy, both served over loopback HTTP."""
+stand-in and the proxy, both served over loopback HTTP, and one real vLLM for the e2e tests."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from kvshrink.cascade.cache import CondensationCache
 from kvshrink.cascade.condenser import Condenser, CondenserConfig
 from kvshrink.cascade.proxy import ProxyConfig, create_app
 from kvshrink.cascade.service import CondenseService
+from kvshrink.benchmarks.cascade_ttft import MODEL
+from kvshrink.benchmarks.e2e_paired import ENGINE_ARGS
+from kvshrink.testing.launch import VLLMServer
 
 from cascade_servers import Upstream, serving, upstream_app
 
@@ -21,6 +24,18 @@ def checkpoint() -> Path:
     from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     return ensure_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def vllm(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """One real vLLM CPU server for every e2e test of the cascade (a start costs minutes on 2 cores),
+    serving the checkpoint as cascade_ttft.MODEL with the benchmarks' engine arguments."""
+    server = VLLMServer(checkpoint, served_model_name=MODEL, max_model_len=4096, kv_cache_space_gb=1,
+                        extra_args=ENGINE_ARGS, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
+    try:
+        yield server.start(timeout=600)
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from kvshrink.benchmarks import cascade_ttft as ct
+from kvshrink.testing.launch import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 TINY = ct.CascadeTTFTSettings(documents=2, doc_tokens=100, pairs=1, max_tokens=4, warmup=False)  # no timing judged
 
 
 @pytest.fixture(scope="module")
-def result(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return ct.CascadeTTFT(checkpoint, TINY, tmp_path_factory.mktemp("cascade-ttft"), progress=lambda _: None).run()
+def result(checkpoint: Path, vllm: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return ct.CascadeTTFT(checkpoint, TINY, tmp_path_factory.mktemp("cascade-ttft"), progress=lambda _: None,
+                          upstream=vllm).run()
 
 
 def test_the_proxy_side_prefills_fewer_tokens_and_cached_runs_hit(result: dict) -> None:

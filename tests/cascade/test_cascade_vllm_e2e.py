@@ -20,16 +20,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def vllm(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    server = VLLMServer(checkpoint, served_model_name=MODEL, max_model_len=4096, kv_cache_space_gb=1,
-                        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
-    try:
-        yield server.start(timeout=600)
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def cascade(vllm: VLLMServer, checkpoint: Path, tmp_path: Path) -> Iterator[str]:
     port = free_port()
