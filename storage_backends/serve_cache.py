@@ -8,7 +8,9 @@ The file has three sections::
                supported_transfer_mode, extra_args}                   # `lmcache server` flags
     adapter:  {workers, index_url, index_instance_id, index_flush_interval, index_max_pending}
                                                # optional; index_*: report tiers to the index
-    store:    {tiers: [...], engine: {...}}   # a store mapping, or the path of a store YAML
+    store:    {tiers: [...], engine: {...}, fuse: {...}}   # a store mapping, or the path of a store YAML;
+                  # fuse.enabled: true loads KV Fuse (:mod:`kvshrink.fuse.server_module`, which checks
+                  # the rest of the section when the server starts) as an lmcache server module
     hints:    {host, port, auth_token_env, auth_token, model_name, max_body_bytes, max_tokens}
                   # optional: the prefetch-hint endpoint (POST /v1/prefetch), an lmcache server module
                   # (:mod:`~kvshrink.storage_backends.prefetch_hints`); loopback unless a token is set.
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from kvshrink.config_checks import (int_value, load_yaml, mapping_value, number_value, one_of, port_value,
+from kvshrink.config_checks import (bool_value, int_value, load_yaml, mapping_value, number_value, one_of, port_value,
                                     reject_unknown, workers_value)
 from kvshrink.errors import ConfigError
 
@@ -49,6 +51,7 @@ ADAPTER_CLASS = "KVShrinkL2Adapter"
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")  # lmcache server's choices
 _SECTIONS = {"server", "adapter", "store", "hints"}
 HINTS_MODULE = "kvshrink.storage_backends.prefetch_hints"
+FUSE_MODULE = "kvshrink.fuse.server_module"  # named, not imported: fusion sits beside the backends
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -127,6 +130,7 @@ class ServeCacheConfig:
     adapter_params: dict[str, Any]  # exactly what the adapter will receive
     server: ServerFlags = field(default_factory=ServerFlags)
     hints: dict[str, Any] | None = None  # the hint module's config, as written (None: no hint endpoint)
+    fuse: dict[str, Any] | None = None  # the KV Fuse module's config (None: fusion off, stock handlers)
 
     def l2_adapter_spec(self) -> dict[str, Any]:
         """The ``--l2-adapter`` JSON for ``lmcache server``."""
@@ -137,10 +141,10 @@ class ServeCacheConfig:
         """What ``serve-cache`` runs (and ``--check`` prints)."""
         from dataclasses import replace
 
-        server = self.server
-        if self.hints is not None:
-            module = json.dumps({"module_path": HINTS_MODULE, "config": self.hints})
-            server = replace(server, extra_args=("--server-module", module, *server.extra_args))
+        modules = [(HINTS_MODULE, self.hints), (FUSE_MODULE, self.fuse)]
+        flags = [arg for path, config in modules if config is not None
+                 for arg in ("--server-module", json.dumps({"module_path": path, "config": config}))]
+        server = replace(self.server, extra_args=(*flags, *self.server.extra_args))
         return lmcache_server_argv(server, [self.l2_adapter_spec()], python)
 
 
@@ -182,9 +186,13 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
 
         hints = dict(mapping_value(data["hints"], "hints"))
         HintSettings.from_config(hints, "hints")  # validated here, passed on as written
+    section = load_yaml(store_path, "store").get("fuse") if isinstance(source, str) else source.get("fuse")
+    fuse = None
+    if bool_value(mapping_value(section, f"{prefix}fuse").get("enabled", False), f"{prefix}fuse.enabled"):
+        fuse = {"store_config": str(store_path)} if isinstance(source, str) else dict(section)
     if check_services:
         preflight(store, prefix)
-    return ServeCacheConfig(store=store, adapter_params=params, server=server, hints=hints)
+    return ServeCacheConfig(store=store, adapter_params=params, server=server, hints=hints, fuse=fuse)
 
 
 # -- the command ----------------------------------------------------------------------------------

@@ -110,6 +110,8 @@ def test_shipped_alternatives_cover_redis_and_qat():
     (lambda d: d["store"]["tiers"][1].update(method="lzma"), "store.tiers[1].method"),
     (lambda d: d.pop("store"), "store"),
     (lambda d: d.update(store="no-such-store.yaml"), "store"),
+    (lambda d: d["store"].update(fuse={"enabled": "yes"}), "store.fuse.enabled"),
+    (lambda d: d["store"].update(fuse=["enabled"]), "store.fuse"),
 ])
 def test_bad_files_exit_2_naming_the_key(tmp_path, shm_name, capsys, edit, key):
     path = private_config(tmp_path, shm_name, edit)
@@ -167,6 +169,34 @@ def test_store_may_be_a_separate_yaml_file(tmp_path, shm_name):
     store_file.write_text(yaml.safe_dump({"tiers": [{"kind": "ssd", "path": str(tmp_path / "s"), "capacity": "1GiB"}]}))
     config = load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(store="store.yaml")))
     assert config.adapter_params["config"] == str(store_file)
+
+
+def _server_modules(argv: list[str]) -> dict[str, dict]:
+    return {m["module_path"]: m["config"] for m in
+            (json.loads(argv[i + 1]) for i, arg in enumerate(argv) if arg == "--server-module")}
+
+
+def test_fuse_enabled_in_the_store_loads_the_fuse_module_and_off_loads_nothing(tmp_path, shm_name):
+    """The store's own ``fuse:`` section switches KV Fuse: inline, the module gets the section as
+    written; in a store file, the file's path (the module reads and checks the section there)."""
+    from kvshrink.storage_backends.serve_cache import FUSE_MODULE
+
+    assert FUSE_MODULE not in _server_modules(load_serve_config(check_services=False).argv())  # shipped: off
+    section = {"enabled": True, "model_path": str(tmp_path / "ckpt"), "ratio": 0.3}
+    inline = load_serve_config(private_config(tmp_path, shm_name, lambda d: d["store"].update(fuse=section)),
+                               check_services=False)
+    assert _server_modules(inline.argv()) == {FUSE_MODULE: section}
+    store_file = tmp_path / "store.yaml"
+    store_file.write_text(yaml.safe_dump({**derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm_name},
+                                                        capacities={"dram": "64MiB", "ssd": "1GiB"}), "fuse": section}))
+    hints = {"port": free_port()}
+    in_file = load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(store="store.yaml", hints=hints)),
+                                check_services=False)
+    assert _server_modules(in_file.argv()) == {FUSE_MODULE: {"store_config": str(store_file)},
+                                               "kvshrink.storage_backends.prefetch_hints": hints}
+    off = load_serve_config(private_config(tmp_path, shm_name, lambda d: d["store"].update(fuse={"enabled": False})),
+                            check_services=False)
+    assert _server_modules(off.argv()) == {}
 
 
 def test_argv_is_exactly_the_lmcache_server_command_for_the_config():
