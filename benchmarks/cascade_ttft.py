@@ -95,6 +95,7 @@ class CascadeTTFTSettings:
     # core reserved); with two, torch's forward passes ran 4-8x slower on a loaded 2-core machine
     proxy_threads: int = 1
     warmup: bool = True  # one untimed request of each kind first (lazy set-up in vLLM and torch)
+    granularity: str = "word"  # the proxy's --granularity (its default)
 
     def quick(self) -> "CascadeTTFTSettings":
         return replace(self, documents=2, doc_tokens=160, pairs=2)
@@ -160,7 +161,8 @@ class CascadeTTFT:
         self.proxy = ManagedProcess([sys.executable, "-m", "kvshrink.cli", "cascade", "serve", "--upstream",
                                      self.vllm.url, "--port", str(port), "--model-path", str(self.model),
                                      "--ratio", str(self.settings.ratio), "--threads",
-                                     str(self.settings.proxy_threads), "--log-level", "warning"],
+                                     str(self.settings.proxy_threads), "--granularity", self.settings.granularity,
+                                     "--log-level", "warning"],
                                     log_path=self.log_dir / "cascade.log").start()
         self.proxy.wait_until(lambda: _http_ok(f"{self.proxy_url}/metrics"), 300, "serving")
         self.vllm.wait_serving(600)
@@ -278,7 +280,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     """The run as text: the two TTFT ratios with intervals and verdict, tokens, bytes, break-even."""
     f, s, b = result["figures"], result["settings"], result["figures"]["break_even"]
     lines = [f"KV Cascade through the proxy vs vLLM directly: {s['documents']} documents of >= {s['doc_tokens']} "
-             f"tokens, ratio {s['ratio']}, {f['requests_per_side']} steps (fresh documents each)"]
+             f"tokens, ratio {s['ratio']} by {s.get('granularity', 'word')}, {f['requests_per_side']} steps "
+             "(fresh documents each)"]
     for side in (CACHED, UNCACHED):
         r = f[f"{side}_over_direct"]
         target = f" (target <= {r['target']:g}) {r['verdict']}" if r["target"] is not None else ""
@@ -315,7 +318,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines.append(f"| {label} | {f['ttft_s'][side]:.2f} s | {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) | "
                      f"{target} | {r['verdict'] or ''} | {t[side]:.0f} | {kv[side] / 2**20:.1f} MiB |")
     m = result["machine"]
-    lines.append(f"\n{s['documents']} documents of >= {s['doc_tokens']} tokens a request, ratio {s['ratio']}, "
+    lines.append(f"\n{s['documents']} documents of >= {s['doc_tokens']} tokens a request, ratio {s['ratio']} by "
+                 f"{s.get('granularity', 'word')}, "
                  f"{f['requests_per_side']} steps of fresh documents; answers matching: "
                  + ", ".join(f"{side} {f['matches'][side]}/{f['requests_per_side']}" for side in SIDES)
                  + f". Break-even main/small size ratio (above it the cascade saves compute): {b['size_ratio']:.2f} "
@@ -341,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=defaults.ratio, help="the proxy's kept tokens / document tokens")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--proxy-threads", type=int, default=defaults.proxy_threads, help="small model's torch threads")
+    parser.add_argument("--granularity", choices=("word", "sentence"), default=defaults.granularity,
+                        help="what the condenser keeps or drops whole (the proxy's --granularity)")
     parser.add_argument("--markdown-from", type=Path, default=None, metavar="JSON",
                         help="do not run: print README's table of an earlier run's cascade-ttft.json")
     args = parser.parse_args(argv)
@@ -348,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(markdown_table(json.loads(args.markdown_from.read_text())))
         return 0
     settings = CascadeTTFTSettings(args.documents, args.doc_tokens, args.pairs, args.ratio, args.max_tokens,
-                                   args.proxy_threads)
+                                   args.proxy_threads, granularity=args.granularity)
     settings = settings.quick() if args.quick else settings
     out = args.out or Path(tempfile.mkdtemp(prefix="kvshrink-cascade-ttft-"))
     out.mkdir(parents=True, exist_ok=True)
