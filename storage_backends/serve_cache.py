@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from kvshrink.config_checks import (bool_value, int_value, load_yaml, mapping_value, number_value, one_of, port_value,
-                                    reject_unknown, workers_value)
+from kvshrink.config_checks import (bool_value, int_value, load_yaml, mapping_value, number_value, one_of,
+                                    port_value, reject_unknown, workers_value)
 from kvshrink.errors import ConfigError
 
 if TYPE_CHECKING:
