@@ -30,7 +30,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 FIRST = ("Margaret", "Tomas", "Ingrid", "Kwame", "Priya", "Henrik", "Lucia", "Dmitri", "Amara", "Soren", "Yuki", "Elena")
 LAST = ("Okonkwo", "Lindqvist", "Ferreira", "Haddad", "Nakamura", "Brandt", "Castellano", "Mbeki", "Novak", "Quinlan")
@@ -97,11 +97,17 @@ def judge(generation: str, answer: str) -> tuple[bool, bool]:
     return bool(lines) and _normalize(lines[0]) == want, match
 
 
+def rag_messages(documents: Sequence[str], question: str,
+                 markers: tuple[str, str] | None = None) -> list[dict[str, str]]:
+    """The set's chat: the SYSTEM line, then "Document i:" blocks and the question; each document
+    between ``markers`` when given (the cascade proxy's, e.g. ``<doc>``), else bare."""
+    begin, end = markers or ("", "")
+    body = "\n\n".join(f"Document {i + 1}:\n{begin}{doc}{end}" for i, doc in enumerate(documents))
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{body}\n\nQuestion: {question}"}]
+
+
 def prompt_ids(tokenizer: Any, documents: list[str], question: str) -> list[int]:
-    body = "\n\n".join(f"Document {i + 1}:\n{doc}" for i, doc in enumerate(documents))
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"{body}\n\nQuestion: {question}"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(rag_messages(documents, question), add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

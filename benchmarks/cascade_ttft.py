@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kvshrink.benchmarks.cascade_bench import SYSTEM, Question, build_set, judge
+from kvshrink.benchmarks.cascade_bench import Question, build_set, judge, rag_messages
 from kvshrink.benchmarks.e2e_paired import BYTES_PER_TOKEN, ENGINE_ARGS, ENGINE_LABEL, E2EError
 from kvshrink.benchmarks.paired_stats import paired_ratio, verdict
 
@@ -104,10 +104,8 @@ class CascadeTTFTSettings:
 def prompt_text(tokenizer: Any, documents: Sequence[str], question: str, markers: tuple[str, str] | None) -> str:
     """cascade_bench's RAG prompt through the chat template, as text; each document between
     ``markers`` (the proxy's), or bare (``None``: what vLLM gets directly)."""
-    begin, end = markers or ("", "")
-    body = "\n\n".join(f"Document {i + 1}:\n{begin}{doc}{end}" for i, doc in enumerate(documents))
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{body}\n\nQuestion: {question}"}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(rag_messages(documents, question, markers), add_generation_prompt=True,
+                                         tokenize=False)
 
 
 def steps_of(tokenizer: Any, settings: CascadeTTFTSettings, groups: int) -> list[tuple[list[str], Question]]:
