@@ -63,7 +63,7 @@ def build_set(tokenizer: Any, documents: int, facts_per_doc: int, min_doc_tokens
     docs: list[str] = []
     questions: list[Question] = []
     places = rng.sample(PLACES, len(PLACES))
-    cursor = 30
+    cursor = 30 + 997 * (seed - 17)  # each seed reads another part of the reference (17: the first set)
     for d in range(documents):
         paragraphs: list[str] = []
         tokens = 0
@@ -135,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--documents", type=int, default=3, help="documents in the set, all shown (default 3)")
     parser.add_argument("--facts-per-doc", type=int, default=2)
     parser.add_argument("--min-doc-tokens", type=int, default=1024)
+    parser.add_argument("--sets", type=int, default=1,
+                        help="independent sets (other documents, facts and order), seeds --seed, --seed + 1, ...")
+    parser.add_argument("--seed", type=int, default=17, help="seed of the first set (default 17)")
     parser.add_argument("--ratios", default="0.7,0.5,0.3")
     parser.add_argument("--granularity", choices=("word", "sentence"), default="word")
     parser.add_argument("--aware-ratios", default="",
@@ -144,27 +147,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+ACCURACY_TARGET = 0.9  # condensed accuracy / full-document accuracy at TARGET_RATIO (issue 17)
+TARGET_RATIO = 0.5
 
-    from kvshrink.cascade.condenser import Condenser, CondenserConfig
-    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
-    if args.quick:
-        args.documents, args.facts_per_doc, args.ratios = 2, 2, "0.5"
+def run_set(model: Any, tokenizer: Any, condenser: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One seeded set: its documents condensed at every ratio, every question answered under every
+    setting. Per setting: counts, prompt tokens and each question's answer and verdicts."""
     ratios = [float(r) for r in args.ratios.split(",")]
-    load_before = os.getloadavg()
-    path = str(ensure_checkpoint())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    docs, questions = build_set(tokenizer, args.documents, args.facts_per_doc, args.min_doc_tokens)
-    condenser = Condenser(CondenserConfig(model_path=path, granularity=args.granularity))
-
+    docs, questions = build_set(tokenizer, args.documents, args.facts_per_doc, args.min_doc_tokens, seed=seed)
     started = time.perf_counter()
     condensed = condenser.condense_many([(doc, None, r) for r in ratios for doc in docs])
     condense_s = time.perf_counter() - started
-    print(f"condensed {len(docs)} documents at {len(ratios)} ratios in {condense_s:.1f} s", flush=True)
+    print(f"set {seed}: condensed {len(docs)} documents at {len(ratios)} ratios in {condense_s:.1f} s", flush=True)
     variants: dict[str, list[list[str]]] = {"full": [docs] * len(questions)}
     for k, ratio in enumerate(ratios):
         variants[f"condensed {ratio}"] = [[c.text for c in condensed[k * len(docs):(k + 1) * len(docs)]]] * len(questions)
@@ -177,30 +172,78 @@ def run(args: argparse.Namespace) -> int:
         for ratio in aware_ratios:
             variants[f"question-aware {ratio}"] = [[next(texts) for _ in docs] for _ in questions]
         aware_s = time.perf_counter() - started
-        print(f"condensed per question in {aware_s:.1f} s", flush=True)
-
-    rows = []
-    full_tokens = None
+        print(f"set {seed}: condensed per question in {aware_s:.1f} s", flush=True)
+    rows: dict[str, dict[str, Any]] = {}
     for name, contexts in variants.items():
         prompts = [prompt_ids(tokenizer, context, q.text) for q, context in zip(questions, contexts)]
         generations, seconds = answer_all(model, tokenizer, prompts, args.max_new_tokens)
         verdicts = [judge(g, q.answer) for g, q in zip(generations, questions)]
-        tokens = sum(len(p) for p in prompts)
-        full_tokens = full_tokens or tokens
-        rows.append({"setting": name, "questions": len(questions), "exact": sum(e for e, _ in verdicts),
-                     "match": sum(m for _, m in verdicts), "prompt_tokens": tokens,
-                     "prompt_tokens_saved": 1 - tokens / full_tokens, "answer_seconds": seconds,
-                     "answers": [{"question": q.text, "expected": q.answer, "got": g}
-                                 for q, g in zip(questions, generations)]})
-        print(f"{name:>22}: match {rows[-1]['match']}/{len(questions)}, exact {rows[-1]['exact']}/{len(questions)}, "
-              f"prompt tokens {tokens} ({rows[-1]['prompt_tokens_saved']:.0%} saved), {seconds:.1f} s", flush=True)
-    doc_tokens = [len(tokenizer(d).input_ids) for d in docs]
+        rows[name] = {"prompt_tokens": sum(len(p) for p in prompts), "answer_seconds": seconds,
+                      "answers": [{"question": q.text, "expected": q.answer, "got": g, "exact": e, "match": m}
+                                  for q, g, (e, m) in zip(questions, generations, verdicts)]}
+        print(f"set {seed} {name:>22}: match {sum(m for _, m in verdicts)}/{len(questions)}, "
+              f"prompt tokens {rows[name]['prompt_tokens']}, {seconds:.1f} s", flush=True)
+    return {"seed": seed, "document_tokens": [len(tokenizer(d).input_ids) for d in docs], "questions": len(questions),
+            "question_independent_seconds": condense_s, "question_aware_seconds": aware_s, "settings": rows}
+
+
+def summarize(sets: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting over all sets: counts, accuracy and its ratio to the full documents' (paired by
+    question, 95 % bootstrap), prompt tokens and their ratio to full. At :data:`TARGET_RATIO` the
+    row carries the target's verdict (only where the interval clears it)."""
+    from kvshrink.benchmarks.paired_stats import ratio_of_sums, verdict
+
+    def column(name: str, field: str) -> list[float]:
+        return [float(a[field]) for s in sets for a in s["settings"][name]["answers"]]
+
+    full_match = column("full", "match")
+    full_tokens = sum(s["settings"]["full"]["prompt_tokens"] for s in sets)
+    rows = []
+    for name in sets[0]["settings"]:
+        match, exact = column(name, "match"), column(name, "exact")
+        tokens = sum(s["settings"][name]["prompt_tokens"] for s in sets)
+        row: dict[str, Any] = {"setting": name, "questions": len(match), "match": int(sum(match)),
+                               "exact": int(sum(exact)), "accuracy": sum(match) / max(1, len(match)),
+                               "prompt_tokens": tokens, "prompt_tokens_vs_full": tokens / max(1, full_tokens),
+                               "answer_seconds": sum(s["settings"][name]["answer_seconds"] for s in sets)}
+        if name != "full" and sum(full_match):
+            row["accuracy_vs_full"] = ratio_of_sums(match, full_match)
+            if name.endswith(f" {TARGET_RATIO}"):
+                row["target"] = ACCURACY_TARGET
+                row["verdict"] = verdict(row["accuracy_vs_full"], ACCURACY_TARGET, higher_is_better=True)
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvshrink.cascade.condenser import Condenser, CondenserConfig
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+
+    if args.quick:
+        args.documents, args.facts_per_doc, args.ratios, args.sets = 2, 2, "0.5", 1
+    load_before = os.getloadavg()
+    path = str(ensure_checkpoint())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    condenser = Condenser(CondenserConfig(model_path=path, granularity=args.granularity))
+    sets = [run_set(model, tokenizer, condenser, args, args.seed + i) for i in range(args.sets)]
+    rows = summarize(sets)
+    for row in rows:
+        vs = row.get("accuracy_vs_full")
+        against = (f", vs full {vs['value']:.2f} (95 % {vs['low']:.2f}-{vs['high']:.2f})" if vs else "")
+        print(f"{row['setting']:>22}: match {row['match']}/{row['questions']} ({row['accuracy']:.1%}){against}"
+              f"{', ' + row['verdict'] if 'verdict' in row else ''}; prompt tokens {row['prompt_tokens_vs_full']:.2f}x",
+              flush=True)
     report = {"machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
               "main_model": "SmolLM2-135M-Instruct, transformers generate (greedy), float32 CPU",
-              "condenser": {"granularity": args.granularity, "window_tokens": condenser.config.window_tokens,
-                            "question_independent_seconds": condense_s, "question_aware_seconds": aware_s},
-              "set": {"documents": len(docs), "document_tokens": doc_tokens, "questions": len(questions)},
-              "settings": rows}
+              "condenser": {"granularity": args.granularity, "window_tokens": condenser.config.window_tokens},
+              "set": {"sets": args.sets, "first_seed": args.seed, "documents": args.documents,
+                      "facts_per_doc": args.facts_per_doc, "min_doc_tokens": args.min_doc_tokens,
+                      "questions": sum(s["questions"] for s in sets)},
+              "summary": rows, "sets": sets}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

@@ -52,10 +52,12 @@ def paired_ratio(ours: Sequence[float], stock: Sequence[float], *, confidence: f
 def ratio_of_sums(ours: Sequence[float], stock: Sequence[float], resamples: int = 10_000,
                   seed: int = 0) -> dict[str, float]:
     """sum(ours) / sum(stock) over paired requests, with a 95 % percentile-bootstrap interval
-    (requests resampled with their pairs)."""
+    (requests resampled with their pairs). A resample whose ``stock`` sum is 0 has no ratio and is
+    left out (counts, e.g. correct answers, can sum to 0; times cannot)."""
     o, s = np.asarray(ours, dtype=np.float64), np.asarray(stock, dtype=np.float64)
     picks = _resample(o.size, resamples, seed)
-    boots = o[picks].sum(axis=1) / s[picks].sum(axis=1)
+    den = s[picks].sum(axis=1)
+    boots = o[picks].sum(axis=1)[den > 0] / den[den > 0]
     low, high = np.percentile(boots, [2.5, 97.5])
     return {"value": float(o.sum() / s.sum()), "low": float(low), "high": float(high), "pairs": int(o.size)}
 
