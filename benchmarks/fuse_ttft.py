@@ -174,31 +174,17 @@ def build_workload(tokenizer: Any, settings: FuseTTFTSettings) -> Workload:
 # -- the stacks --------------------------------------------------------------------------------------
 def stream(base_url: str, prompt: list[int], salt: str | None, max_tokens: int,
            timeout: float = 900.0) -> dict[str, Any]:
-    """POST /v1/completions, streaming, greedy, with ``cache_salt`` when given (the shared
-    ``streaming_client`` sends none); text, TTFT to the first streamed token, vLLM's usage."""
-    import httpx
+    """One streamed greedy completion, with ``cache_salt`` when given: text, TTFT to the first
+    streamed token, the prompt tokens vLLM counted."""
+    from kvshrink.testing.streaming_client import StreamedCompletionError, stream_completion
 
-    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
-    if salt is not None:
-        body["cache_salt"] = salt
-    pieces, usage, ttft, start = [], {}, None, time.perf_counter()
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as response:
-        if response.status_code != 200:
-            raise E2EError(f"{base_url} answered {response.status_code}: {response.read().decode(errors='replace')}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                if choice.get("text"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    pieces.append(choice["text"])
-    if ttft is None:
-        raise E2EError(f"{base_url} streamed no token")
-    return {"text": "".join(pieces), "ttft_s": ttft, "total_s": time.perf_counter() - start,
-            "prompt_tokens": int(usage.get("prompt_tokens", len(prompt)))}
+    try:
+        done = stream_completion(base_url, MODEL, prompt, max_tokens=max_tokens, timeout=timeout,
+                                 extra={"cache_salt": salt} if salt is not None else None)
+    except StreamedCompletionError as exc:
+        raise E2EError(str(exc)) from exc
+    return {"text": done.text, "ttft_s": done.ttft_s, "total_s": done.total_s,
+            "prompt_tokens": int(done.usage.get("prompt_tokens", len(prompt)))}
 
 
 class Stack:

@@ -33,13 +33,15 @@ class StreamedCompletion:
 
 
 def stream_completion(base_url: str, model: str, prompt: str | list[int], *, max_tokens: int = 8,
-                      timeout: float = 600.0, client: httpx.Client | None = None) -> StreamedCompletion:
+                      timeout: float = 600.0, client: httpx.Client | None = None,
+                      extra: dict | None = None) -> StreamedCompletion:
     """POST /v1/completions with ``stream=True`` and greedy decoding; time the first token.
 
-    ``prompt`` may be token ids, which fixes the prompt length exactly.
+    ``prompt`` may be token ids, which fixes the prompt length exactly; ``extra`` adds fields to
+    the request body (e.g. vLLM's ``cache_salt``).
     """
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     own_client = client is None
     client = client or httpx.Client(timeout=timeout)
     pieces: list[str] = []
