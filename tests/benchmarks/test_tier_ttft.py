@@ -32,8 +32,8 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
     if any("skipped" in note for note in result["notes"]):
         pytest.skip(f"this machine cannot run every row: {result['notes']}")
     rows = {row["name"]: row for row in result["rows"]}
-    assert set(rows) == {"cross-node", "ssd, page cache", "ssd, device", "ssd, 500 MB/s device", "remote",
-                         "resume, hint", "resume, no hint"}
+    assert set(rows) == {"cross-node", "ssd, page cache", "ssd, L1 floor", "ssd, device", "ssd, 500 MB/s device",
+                         "remote", "resume, hint", "resume, no hint"}
     raw = PROMPT * BYTES_PER_TOKEN
 
     cross = rows["cross-node"]
@@ -52,8 +52,9 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
     for name, row in rows.items():
         if name == "cross-node" or name.startswith("resume"):
             continue
+        tier = "l1_hit_tokens" if name == "ssd, L1 floor" else "l2_hit_tokens"  # the floor: nothing from L2
         for side in ("stock", "ours"):
-            assert len(row[side]) == 2 and all(x["l2_hit_tokens"] == PROMPT for x in row[side]), (name, side)
+            assert len(row[side]) == 2 and all(x[tier] == PROMPT for x in row[side]), (name, side)
         device = {side: statistics.median(x["device_read_bytes"] for x in row[side]) for side in ("stock", "ours")}
         if name.startswith("ssd, ") and name != "ssd, page cache":
             assert device["stock"] >= 0.95 * raw, (name, device)  # stock's raw files, from the device
@@ -64,6 +65,7 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
     for side in ("stock", "ours"):  # the cap held for every request (TTFT is longer than the read)
         for x in rows["ssd, 500 MB/s device"][side]:
             assert x["device_read_bytes"] / x["ttft_s"] <= 1.25 * 500e6, (side, x)
+    assert any(n.startswith("ssd, 500 MB/s device: reading ") for n in result["notes"]), result["notes"]
     stored, per_token = result["redis_stored"], result["redis_bytes_per_token"]
     assert stored[STOCK]["keys"] == stored[OURS]["keys"] == PROMPT // 256, stored
     assert per_token[OURS] <= 0.72 * per_token[STOCK], per_token
