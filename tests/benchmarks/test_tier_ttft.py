@@ -56,7 +56,7 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
         for side in ("stock", "ours"):
             assert len(row[side]) == 2 and all(x[tier] == PROMPT for x in row[side]), (name, side)
         device = {side: statistics.median(x["device_read_bytes"] for x in row[side]) for side in ("stock", "ours")}
-        if name.startswith("ssd, ") and name != "ssd, page cache":
+        if name.startswith("ssd, ") and name not in ("ssd, page cache", "ssd, L1 floor"):
             assert device["stock"] >= 0.95 * raw, (name, device)  # stock's raw files, from the device
             assert 0.5 * raw <= device["ours"] <= 0.75 * device["stock"], (name, device)  # compressed
             assert "stock at its best: fs_native" in row["label"] and row["stock_variants"], row["label"]
