@@ -258,7 +258,8 @@ class TierTTFT:
                    [asdict(cold["ours"])], [asdict(first)], CROSS_NODE_TARGET, _policies(self.ours, self.node_b))
 
     def _ssd_rows(self, prompt: list[int], out: dict[str, Any]) -> list[Row]:
-        """Restart both cache servers on their SSD arrangement only; the page cache row, then the
+        """The L1 floor row first (the prefill's chunks still in LMCache's L1), then restart both
+        cache servers on their SSD arrangement only; the page cache row, then the
         device and throttled rows once against each of stock's sensible ``fs_native`` settings
         (buffered, O_DIRECT: the same files), each row keeping stock's better one."""
         # first, while the prefill's chunks are still in LMCache's L1 (a chunk loaded from L2 is not kept there)
@@ -396,14 +397,12 @@ def read_bound_note(row: Row, read_bps: float) -> str:
     """What reading fewer bytes can win on a throttled row at most: stock's median TTFT less the
     time the bytes ours does not read take at ``read_bps`` (decode counted as free), over stock's
     median. Where that exceeds the row's target, no read path can meet it on this engine."""
-    median = {side: statistics.median(x[key] for x in getattr(row, side))
-              for side, key in (("stock", "ttft_s"), ("ours", "ttft_s"))}
+    stock_s = statistics.median(x["ttft_s"] for x in row.stock)
     saved = (statistics.median(x["device_read_bytes"] for x in row.stock)
              - statistics.median(x["device_read_bytes"] for x in row.ours))
-    best = (median["stock"] - saved / read_bps) / median["stock"]
+    best = (stock_s - saved / read_bps) / stock_s
     return (f"{row.name}: reading {saved / 1e6:.1f} MB less saves at most {saved / read_bps * 1e3:.0f} ms of stock's "
-            f"median {median['stock']:.2f} s, so ours / stock >= {best:.3f} (target {row.target:g}) even with a free "
-            f"decode")
+            f"median {stock_s:.2f} s, so ours / stock >= {best:.3f} (target {row.target:g}) even with a free decode")
 
 
 def _cross_node_interval(row: dict[str, Any], remote: Row, cold_s: float) -> None:
