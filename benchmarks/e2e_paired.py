@@ -38,7 +38,10 @@ Phases:
 
 Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
 CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
-(``PairedSettings.trace``: ~14K prompt tokens a replay). Two faster settings were tried and
+(``PairedSettings.trace``: 50 requests, ~24K prompt tokens a replay, sized with
+:mod:`~kvshrink.benchmarks.replay_model` for intervals that can decide). Each budget also reports
+the trace's reuse ceiling (:func:`reuse_ceiling`, what an unbounded cache hits): where stock at its
+best hits within 10 points of it, no cache can show the +10-point target. Two faster settings were tried and
 rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
 answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
 which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
@@ -274,25 +277,8 @@ class Stack:
                    error=E2EError)
 
     def wait_idle(self, timeout: float = 120.0) -> None:
-        """Until the cache server has no store in flight and, for ours, the store's queues are empty
-        (twice in a row, 50 ms apart)."""
-        deadline, quiet = time.monotonic() + timeout, 0
-        while quiet < 2:
-            quiet = quiet + 1 if self._idle() else 0
-            if time.monotonic() > deadline:
-                raise E2EError(f"{self.key}: stores still in flight after {timeout:.0f} s")
-            time.sleep(0.05)
-
-    def _idle(self) -> bool:
-        status = self.server.status()
-        controller = status.get("storage_manager", {}).get("store_controller", {})
-        if controller.get("pending_keys_count", 0) or controller.get("in_flight_task_count", 0):
-            return False
-        if self.side != OURS:
-            return True
-        adapter = status["storage_manager"]["l2_adapters"][0]
-        engine = adapter["store"]["engine"]
-        return not adapter["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
+        """Until the cache server has no store in flight and, for ours, the store's queues are empty."""
+        wait_stores_settled(lambda: stores_idle(self.server.status(), self.side == OURS), timeout, self.key)
 
     def held(self) -> dict[str, float]:
         """Chunks and bytes the L2 holds now (stock: its files; ours: the store's tiers)."""
@@ -360,11 +346,14 @@ class PairedSettings:
     hot_pairs: int = 15
     hot_l1_mib: float = 256
     restart: bool = True
-    # sized for vLLM CPU bf16 (a miss costs ~28 ms a token on 2 AVX2 cores): 6 agent sessions of
-    # 2-6 turns, all in flight at once and interleaved at random (a think time of ~20 s against a
-    # nominal 3 s turn), contexts 0.5-0.9K tokens; ~14K prompt tokens a replay
+    # sized for vLLM CPU bf16 (a miss costs ~28 ms a token on 2 AVX2 cores): 8 agent sessions of
+    # 3-9 turns, all in flight at once and interleaved at random (a think time of ~20 s against a
+    # nominal 3 s turn), contexts 0.3-0.8K tokens; 50 requests, ~24K prompt tokens a replay. Twice
+    # the requests of the earlier 6-session trace for about 1.5x its prefill: a hit costs ~1 s, a
+    # miss ~10 s, so more turns per session buy requests (interval width) cheaply
+    # (replay_model's power analysis: docs/bench/notes.md)
     trace: dict[str, Any] = field(default_factory=lambda: dict(
-        sessions=6, turns=4, concurrency=6, system_tokens=128, first_user_tokens=384, tokens_per_turn=32,
+        sessions=8, turns=6, concurrency=8, system_tokens=128, first_user_tokens=256, tokens_per_turn=32,
         output_tokens=16, agents=1, think_s=20.0, seed=0))
     fractions: tuple[float, ...] = (0.45, 0.5, 0.55)  # budget / distinct KV of the trace
     dram_share: float = 0.25
@@ -372,6 +361,37 @@ class PairedSettings:
     stock_variants: tuple[str, ...] = STOCK_VARIANTS
     max_tokens: int = 4
     trace_file: str = ""
+
+
+def stores_idle(status: dict[str, Any], ours: bool) -> bool:
+    """Whether a cache server's ``/status`` shows no store in flight in LMCache and, for ours
+    (``ours``: its first L2 adapter is KVShrink's), the store's put and background queues empty."""
+    manager = status.get("storage_manager", {})
+    controller = manager.get("store_controller", {})
+    if controller.get("pending_keys_count", 0) or controller.get("in_flight_task_count", 0):
+        return False
+    if not ours:
+        return True
+    adapter = manager["l2_adapters"][0]
+    engine = adapter["store"]["engine"]
+    return not adapter["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
+
+
+def wait_stores_settled(idle: Callable[[], bool], timeout: float, name: str) -> None:
+    """Until ``idle()`` holds twice in a row, 50 ms apart (a store task can start right after the
+    last one ended), so that a stack's writes never overlap the next stack's request.
+    :class:`E2EError` after ``timeout`` seconds."""
+    from kvshrink.testing.polling import poll_until
+
+    streak = 0
+
+    def settled() -> bool:
+        nonlocal streak
+        streak = streak + 1 if idle() else 0
+        return streak >= 2
+
+    poll_until(settled, timeout, interval=0.05, what=f"{name}'s stores to finish",
+               error=lambda message: E2EError(f"{name}: {message}"))
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -395,6 +415,21 @@ def distinct_chunks(requests: Sequence[Any], chunk_tokens: int) -> int:
         ids = np.asarray(r.token_ids, dtype=np.int64)
         seen.update(digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens))
     return len(seen)
+
+
+def reuse_ceiling(requests: Sequence[Any], chunk_tokens: int) -> float:
+    """Hit rate of an unbounded prefix cache on this trace: the prompt tokens that lie in whole
+    chunks of a prefix seen before. No budget hits more, so where stock at its best already hits
+    within d of it, no cache can gain d over stock."""
+    seen: set[str] = set()
+    hit = total = 0
+    for r in requests:
+        ids = np.asarray(r.token_ids, dtype=np.int64)
+        keys = [digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens)]
+        hit += next((i for i, k in enumerate(keys) if k not in seen), len(keys)) * chunk_tokens
+        total += ids.size
+        seen.update(keys)
+    return hit / total if total else 0.0
 
 
 def budgets_for(distinct: int, chunk_tokens: int, fractions: Sequence[float], dram_share: float) -> list[Budget]:
@@ -495,6 +530,7 @@ class PairedBench:
                           "trace": digest(*[np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
                           "hot_prompt": digest(prompt),
                           "requests": len(requests), "distinct_chunks": distinct, "replay_l1_headroom_mib": headroom,
+                          "reuse_ceiling": reuse_ceiling(requests, self.settings.chunk_tokens),
                           "prompt_tokens": int(sum(len(r.token_ids) for r in requests))},
                 store_config=store_record(self.template))
             self.progress("starting vLLM")
@@ -633,7 +669,8 @@ def side_runs(result: PairedResult) -> Iterator[tuple[str, SideRun, SideRun]]:
 
 def print_report(result: PairedResult, out: Callable[[str], None] = print) -> None:
     out(f"engine: {result.engine}; trace: {result.workload['requests']} requests, "
-        f"{result.workload['prompt_tokens']} prompt tokens, {result.workload['distinct_chunks']} distinct chunks")
+        f"{result.workload['prompt_tokens']} prompt tokens, {result.workload['distinct_chunks']} distinct chunks, "
+        f"an unbounded cache would hit {result.workload.get('reuse_ceiling', float('nan')):.1%}")
     for label in ("warm_l1", "warm_l2"):
         h = result.hot[label]
         r = h["ratio"]

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvshrink.benchmarks.cascade_bench import FIRST, LAST, PLACES, SYSTEM, TEMPLATES, judge
-from kvshrink.benchmarks.e2e_paired import ENGINE_ARGS, ENGINE_LABEL, E2EError
+from kvshrink.benchmarks.e2e_paired import ENGINE_ARGS, ENGINE_LABEL, E2EError, stores_idle, wait_stores_settled
 from kvshrink.benchmarks.paired_stats import paired_ratio, ratio_of_sums, verdict
 
 TTFT_TARGET = 0.4  # ours / stock on reordered prompts (issue 15)
@@ -271,25 +271,8 @@ class Stack:
         return {k: v for k, v in self.status().get("kvshrink_fuse", {}).items() if isinstance(v, int)}
 
     def wait_idle(self, timeout: float = 120.0) -> None:
-        """Until no store is in flight in LMCache and, for ours, the store's queues are empty
-        (twice in a row, 50 ms apart): a stack's writes never overlap the other's request."""
-        deadline, quiet = time.monotonic() + timeout, 0
-        while quiet < 2:
-            quiet = quiet + 1 if self._idle() else 0
-            if time.monotonic() > deadline:
-                raise E2EError(f"{self.side}: stores still in flight after {timeout:.0f} s")
-            time.sleep(0.05)
-
-    def _idle(self) -> bool:
-        manager = self.status().get("storage_manager", {})
-        controller = manager.get("store_controller", {})
-        if controller.get("pending_keys_count", 0) or controller.get("in_flight_task_count", 0):
-            return False
-        if self.side != OURS:
-            return True
-        adapter = manager["l2_adapters"][0]
-        engine = adapter["store"]["engine"]
-        return not adapter["in_flight_tasks"] and not engine["put_queue_depth"] and not engine["background_queue_depth"]
+        """Until no store is in flight in LMCache and, for ours, the store's queues are empty."""
+        wait_stores_settled(lambda: stores_idle(self.status(), self.side == OURS), timeout, self.side)
 
     def request(self, prompt: list[int]) -> dict[str, Any]:
         """One streamed request after a 1 s pause; TTFT, LMCache's hit tokens, our module's counter deltas."""

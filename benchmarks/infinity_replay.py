@@ -4,8 +4,8 @@ full DRAM without them -- ours vs ours on vLLM CPU + SmolLM2.
 The question an operator asks before turning idle demotion on: if the KV of sessions that wait for
 a tool leaves DRAM, and a hint brings it back before the session's next turn, can the DRAM budget
 be halved without losing hits or time? Two stacks (``e2e_paired.Stack``: each its own ``lmcache
-server`` and vLLM) replay the e2e section's agent trace (real text, six sessions interleaved at
-random), requests to both back to back in rotating order:
+server`` and vLLM) replay an agent trace (real text, six sessions interleaved at random; the
+e2e section's until it grew, :attr:`InfinitySettings.trace`), requests to both back to back in rotating order:
 
 * ``full``: the shipped default store, DRAM tier ``dram_mib``, SSD tier ``ssd_mib``, idle
   demotion off (as shipped), no hints;
@@ -54,6 +54,11 @@ class InfinitySettings:
     hint_lead_s: float = 1.0
     drop_page_cache: bool = True
     max_tokens: int = 4
+    # the agent trace its figures were measured on (docs/bench/infinity-replay.json): the e2e
+    # section's trace until it grew to 8 sessions; kept so that the figures can be rerun
+    trace: tuple[tuple[str, Any], ...] = (
+        ("sessions", 6), ("turns", 4), ("concurrency", 6), ("system_tokens", 128), ("first_user_tokens", 384),
+        ("tokens_per_turn", 32), ("output_tokens", 16), ("agents", 1), ("think_s", 20.0), ("seed", 0))
 
 
 class InfinityReplay:
@@ -62,7 +67,7 @@ class InfinityReplay:
     def __init__(self, model: Path, settings: InfinitySettings = InfinitySettings(), template: Path | None = None,
                  log_dir: Path | None = None, progress: Callable[[str], None] = lambda s: None) -> None:
         self.model, self.settings, self.template, self.progress = model, settings, template, progress
-        self.paired = PairedSettings()
+        self.paired = PairedSettings(trace=dict(settings.trace))
         self.root = Path(tempfile.mkdtemp(prefix="kvshrink-infinity-"))
         self.log_dir = Path(log_dir or self.root / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)

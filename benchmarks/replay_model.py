@@ -1,6 +1,6 @@
 """The e2e agent replay's hit rates predicted from its trace alone, and what its intervals would be.
 
-A replay on vLLM CPU costs ~35 minutes on 2 AVX2 cores, so traces, budgets and the number of
+A replay on vLLM CPU costs ~45-50 minutes on 2 AVX2 cores, so traces, budgets and the number of
 requests an interval needs are chosen here first. The model follows chunks, not time: each stack
 looks up a request's longest cached prefix of whole chunks (LMCache's prefix lookup) and stores the
 rest, in request order, as the harness runs them (every store finishes before the next request):

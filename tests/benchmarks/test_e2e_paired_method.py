@@ -102,3 +102,31 @@ def test_side_runs_refuse_a_replay_without_a_policy() -> None:
     result = ep.PairedResult(settings={"chunk_tokens": 128}, workload={"trace": "t", "model": "m"}, replay=[entry])
     with pytest.raises(IncomparableError, match="tiers must be one of"):
         list(ep.side_runs(result))
+
+
+def test_a_stack_is_idle_only_when_lmcache_and_our_store_have_nothing_in_flight() -> None:
+    def status(pending=0, in_flight=0, tasks=0, puts=0, background=0) -> dict:
+        return {"storage_manager": {
+            "store_controller": {"pending_keys_count": pending, "in_flight_task_count": in_flight},
+            "l2_adapters": [{"in_flight_tasks": tasks, "store": {"engine": {"put_queue_depth": puts,
+                                                                            "background_queue_depth": background}}}]}}
+
+    assert ep.stores_idle(status(), ours=True) and ep.stores_idle(status(), ours=False)
+    assert not ep.stores_idle(status(pending=3), ours=False) and not ep.stores_idle(status(in_flight=1), ours=True)
+    for busy in ({"tasks": 1}, {"puts": 2}, {"background": 1}):
+        assert not ep.stores_idle(status(**busy), ours=True)
+        assert ep.stores_idle(status(**busy), ours=False), "stock's status has no store of ours to wait for"
+
+
+def test_settled_means_idle_twice_in_a_row() -> None:
+    answers = iter([True, False, True, True, False])
+    calls = []
+
+    def idle() -> bool:
+        calls.append(1)
+        return next(answers)
+
+    ep.wait_stores_settled(idle, timeout=5.0, name="ours")
+    assert len(calls) == 4, "an idle answer after a busy one starts the count again"
+    with pytest.raises(ep.E2EError, match="ours"):
+        ep.wait_stores_settled(lambda: False, timeout=0.2, name="ours")
