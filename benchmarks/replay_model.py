@@ -11,7 +11,8 @@ rest, in request order, as the harness runs them (every store finishes before th
   80 %) over ``fs_native`` holding the SSD budget, inclusive (every chunk is written to both);
 * ours: the shipped default's exclusive tiers: compressed chunks (``ratio``) in a DRAM tier that
   fills ``dram_fill`` of its bytes (the arena's holes), demoting its LRU chunk to the SSD tier,
-  which drops its LRU chunk; a hit in the SSD tier moves the chunk up.
+  which drops its LRU chunk; a hit in the SSD tier moves the chunk up if the shipped default
+  promotes (``promote_on_hit``; it does not).
 
 It ignores time (LMCache's once-a-second eviction, store order within a request), so it predicts
 hit rates to within a few points (``tests/benchmarks/test_replay_model.py`` holds it to the last full
@@ -122,15 +123,21 @@ class _StockL1AllDram:
 
 class _Ours:
     """The shipped default: exclusive compressed DRAM + SSD tiers; DRAM demotes its LRU chunk to
-    the SSD tier, a hit in the SSD tier moves the chunk up."""
+    the SSD tier; a hit in the SSD tier moves the chunk up only with ``promote`` (the shipped
+    default's ``promote_on_hit``, off: the chunk is refreshed where it is)."""
 
-    def __init__(self, dram_mib: float, ssd_mib: float, raw: float, ratio: float, dram_fill: float) -> None:
+    def __init__(self, dram_mib: float, ssd_mib: float, raw: float, ratio: float, dram_fill: float,
+                 promote: bool) -> None:
         self.dram, self.ssd = _Lru(dram_mib * MIB * dram_fill, raw / ratio), _Lru(ssd_mib * MIB, raw / ratio)
+        self.promote = promote
 
     def holds(self, key: bytes) -> bool:
         return key in self.dram or key in self.ssd
 
     def hit(self, key: bytes) -> None:
+        if key in self.ssd and not self.promote:
+            self.ssd.touch(key)
+            return
         self.ssd.remove(key)
         self.store(key)  # promotion, or a DRAM hit refreshing the chunk
 
@@ -139,21 +146,35 @@ class _Ours:
             self.ssd.put(victim)
 
 
+def _shipped_promotes() -> bool:
+    from kvshrink.configs import load_store_mapping
+
+    return bool(load_store_mapping().get("promote_on_hit", True))
+
+
 def predict(requests: Sequence[Any], dram_mib: float, ssd_mib: float, chunk_tokens: int,
-            ratio: float = SHIPPED_RATIO, dram_fill: float = DRAM_FILL) -> dict[str, list[int]]:
-    """Hit tokens of every request on each stack (``l2-all``, ``l1-all-dram``, ``ours``)."""
+            ratio: float = SHIPPED_RATIO, dram_fill: float = DRAM_FILL, tail_first: bool = False) -> dict[str, list[int]]:
+    """Hit tokens of every request on each stack (``l2-all``, ``l1-all-dram``, ``ours``).
+    ``tail_first``: ours stores a request's new chunks and then touches its hits last chunk first,
+    so its head is the youngest (not built: docs/bench/notes.md, "Tail-first eviction")."""
     raw = chunk_tokens * BYTES_PER_TOKEN
     stacks = {"l2-all": _StockL2All(dram_mib, ssd_mib, raw), "l1-all-dram": _StockL1AllDram(dram_mib, ssd_mib, raw),
-              "ours": _Ours(dram_mib, ssd_mib, raw, ratio, dram_fill)}
+              "ours": _Ours(dram_mib, ssd_mib, raw, ratio, dram_fill, _shipped_promotes())}
     hits: dict[str, list[int]] = {name: [] for name in stacks}
     for request in requests:
         keys = chunk_keys(request.token_ids, chunk_tokens)
         for name, stack in stacks.items():
             n = next((i for i, key in enumerate(keys) if not stack.holds(key)), len(keys))  # LMCache's prefix lookup
-            for key in keys[:n]:
-                stack.hit(key)
-            for key in keys[n:]:
-                stack.store(key)
+            if tail_first and name == "ours":
+                for key in reversed(keys[n:]):
+                    stack.store(key)
+                for key in reversed(keys[:n]):
+                    stack.hit(key)
+            else:
+                for key in keys[:n]:
+                    stack.hit(key)
+                for key in keys[n:]:
+                    stack.store(key)
             hits[name].append(n * chunk_tokens)
     return hits
 
@@ -169,13 +190,13 @@ class Prediction:
 
 
 def evaluate(requests: Sequence[Any], budgets: Sequence[Any], chunk_tokens: int, per_token_s: float = 0.028,
-             base_s: float = 0.3) -> list[Prediction]:
+             base_s: float = 0.3, tail_first: bool = False) -> list[Prediction]:
     """Per budget: predicted hit rates, stock's best arrangement (the lower total prefill, as the
     harness picks it) and the intervals and verdicts the harness would report."""
     prompt = [len(r.token_ids) for r in requests]
     out = []
     for budget in budgets:
-        hits = predict(requests, budget.dram_mib, budget.ssd_mib, chunk_tokens)
+        hits = predict(requests, budget.dram_mib, budget.ssd_mib, chunk_tokens, tail_first=tail_first)
         ttft = {k: [base_s + (p - h) * per_token_s for p, h in zip(prompt, v)] for k, v in hits.items()}
         prefill = {k: sum(v) for k, v in ttft.items()}
         rates = {k: sum(v) / sum(prompt) for k, v in hits.items()}
@@ -204,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=1, help="sessions x this, budgets kept in MiB (default 1)")
     parser.add_argument("--seeds", default="0", help="trace seeds, e.g. 0-5 or 0,3 (default 0)")
+    parser.add_argument("--tail-first", action="store_true", help="ours touches each request's chunks last first")
     args = parser.parse_args(argv)
     lo, _, hi = args.seeds.partition("-")
     seeds = range(int(lo), int(hi) + 1) if hi else [int(s) for s in args.seeds.split(",")]
@@ -214,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests = base if args.scale == 1 else default_requests(args.scale, seed)[0]
         tokens = sum(len(r.token_ids) for r in requests)
         print(f"seed {seed}: {len(requests)} requests, {tokens} prompt tokens")
-        for p in evaluate(requests, budgets, settings.chunk_tokens):
+        for p in evaluate(requests, budgets, settings.chunk_tokens, tail_first=args.tail_first):
             h, r = p.hit_rate_points, p.prefill_ratio
             print(f"  {p.label}: hit stock {p.stock_best} {p.hit_rate[p.stock_best]:.1%} ours {p.hit_rate['ours']:.1%}, "
                   f"{h['value'] * 100:+.1f} points (95 % {h['low'] * 100:+.1f} to {h['high'] * 100:+.1f}) {h['verdict']}; "

@@ -32,7 +32,7 @@ SECTION_NAMES = ("codec", "capacity", "throughput", "e2e", "tiers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 AVX2 cores (default: full, under 40)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 AVX2 cores (default: full, ~2.3 hours there)")
     parser.add_argument("--sections", default=",".join(SECTION_NAMES),
                         help=f"comma-separated subset of {','.join(SECTION_NAMES)} (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/<timestamp>/)")
