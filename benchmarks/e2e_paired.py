@@ -39,10 +39,10 @@ Phases:
 Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
 CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
 (``PairedSettings.trace``: 50 requests, ~24K prompt tokens a replay, sized with
-:mod:`~kvshrink.benchmarks.replay_model` for intervals that can decide). Each budget also reports
+:mod:`~kvshrink.benchmarks.replay_model` for intervals that can decide). Each replay also records
 the trace's reuse ceiling (:func:`reuse_ceiling`, what an unbounded cache hits): where stock at its
-best hits within 10 points of it, no cache can show the +10-point target. Two faster settings were tried and
-rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
+best hits within 10 points of it, no cache can show the +10-point target. Two faster settings were
+tried and rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
 answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
 which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
 are real text (the prose corpus), so the KV is what real prompts make.

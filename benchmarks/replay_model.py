@@ -1,7 +1,7 @@
 """The e2e agent replay's hit rates predicted from its trace alone, and what its intervals would be.
 
-A replay on vLLM CPU costs ~45-50 minutes on 2 AVX2 cores, so traces, budgets and the number of
-requests an interval needs are chosen here first. The model follows chunks, not time: each stack
+A replay on vLLM CPU costs ~95 minutes on 2 AVX2 cores (the default trace), so traces, budgets
+and the number of requests an interval needs are chosen here first. The model follows chunks, not time: each stack
 looks up a request's longest cached prefix of whole chunks (LMCache's prefix lookup) and stores the
 rest, in request order, as the harness runs them (every store finishes before the next request):
 
@@ -15,7 +15,7 @@ rest, in request order, as the harness runs them (every store finishes before th
   promotes (``promote_on_hit``; it does not).
 
 It ignores time (LMCache's once-a-second eviction, store order within a request), so it predicts
-hit rates to within a few points (``tests/benchmarks/test_replay_model.py`` holds it to the last full
+hit rates to within a few points (``tests/benchmarks/test_replay_model.py`` holds it to the last e2e
 run), and TTFT only as ``per_token_s`` a missed token plus ``base_s``.
 
     python -m kvshrink.benchmarks.replay_model                  # the default trace and budgets

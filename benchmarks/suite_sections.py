@@ -409,7 +409,6 @@ def e2e_section(result: Any) -> Section:
 
 def _e2e_hot_rows(section: Section, result: Any) -> None:
     """Hot-path and restart rows (medians), and their paired targets."""
-    from kvshrink.benchmarks import e2e_paired as ep
 
     hot, restart = result.hot, result.restart
     stock_key, ours_key = hot["stock"], "ours"
