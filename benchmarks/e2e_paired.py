@@ -42,8 +42,8 @@ CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so 
 :mod:`~kvshrink.benchmarks.replay_model` for intervals that can decide). Each replay also records
 the trace's reuse ceiling (:func:`reuse_ceiling`, what an unbounded cache hits): where stock at its
 best hits within 10 points of it, no cache can show the +10-point target. Two faster settings were
-tried and rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM CPU then
-answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
+tried and rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM
+CPU then answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
 which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
 are real text (the prose corpus), so the KV is what real prompts make.
 """
@@ -408,13 +408,16 @@ class PairedResult:
     engine: str = ENGINE_LABEL
 
 
+def prefix_chunk_keys(token_ids: Any, chunk_tokens: int) -> list[str]:
+    """One key per whole chunk of a prompt, naming the whole prefix up to it (as LMCache's chained
+    chunk hashes do)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    return [digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens)]
+
+
 def distinct_chunks(requests: Sequence[Any], chunk_tokens: int) -> int:
     """Distinct whole-chunk prefixes in the trace: the KV an infinite cache would hold."""
-    seen = set()
-    for r in requests:
-        ids = np.asarray(r.token_ids, dtype=np.int64)
-        seen.update(digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens))
-    return len(seen)
+    return len({key for r in requests for key in prefix_chunk_keys(r.token_ids, chunk_tokens)})
 
 
 def reuse_ceiling(requests: Sequence[Any], chunk_tokens: int) -> float:
@@ -424,10 +427,9 @@ def reuse_ceiling(requests: Sequence[Any], chunk_tokens: int) -> float:
     seen: set[str] = set()
     hit = total = 0
     for r in requests:
-        ids = np.asarray(r.token_ids, dtype=np.int64)
-        keys = [digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens)]
+        keys = prefix_chunk_keys(r.token_ids, chunk_tokens)
         hit += next((i for i, k in enumerate(keys) if k not in seen), len(keys)) * chunk_tokens
-        total += ids.size
+        total += len(r.token_ids)
         seen.update(keys)
     return hit / total if total else 0.0
 

@@ -5,7 +5,8 @@ The question an operator asks before turning idle demotion on: if the KV of sess
 a tool leaves DRAM, and a hint brings it back before the session's next turn, can the DRAM budget
 be halved without losing hits or time? Two stacks (``e2e_paired.Stack``: each its own ``lmcache
 server`` and vLLM) replay an agent trace (real text, six sessions interleaved at random; the
-e2e section's until it grew, :attr:`InfinitySettings.trace`), requests to both back to back in rotating order:
+e2e section's until it grew, :attr:`InfinitySettings.trace`), requests to both back to back in
+rotating order:
 
 * ``full``: the shipped default store, DRAM tier ``dram_mib``, SSD tier ``ssd_mib``, idle
   demotion off (as shipped), no hints;

@@ -1,9 +1,10 @@
 """The e2e agent replay's hit rates predicted from its trace alone, and what its intervals would be.
 
 A replay on vLLM CPU costs ~95 minutes on 2 AVX2 cores (the default trace), so traces, budgets
-and the number of requests an interval needs are chosen here first. The model follows chunks, not time: each stack
-looks up a request's longest cached prefix of whole chunks (LMCache's prefix lookup) and stores the
-rest, in request order, as the harness runs them (every store finishes before the next request):
+and the number of requests an interval needs are chosen here first. The model follows chunks, not
+time: each stack looks up a request's longest cached prefix of whole chunks (LMCache's prefix
+lookup) and stores the rest, in request order, as the harness runs them (every store finishes
+before the next request):
 
 * stock ``l2-all``: one LRU of raw chunks, the whole budget (``fs_native`` evicting a 20th of its
   keys once above 95 %, :data:`e2e_paired.STOCK_L2_EVICTION`);
@@ -25,6 +26,7 @@ run), and TTFT only as ``per_token_s`` a missed token plus ``base_s``.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -146,7 +148,9 @@ class _Ours:
             self.ssd.put(victim)
 
 
+@functools.cache
 def _shipped_promotes() -> bool:
+    """Whether the shipped default promotes an SSD hit (read once: every budget asks)."""
     from kvshrink.configs import load_store_mapping
 
     return bool(load_store_mapping().get("promote_on_hit", True))
