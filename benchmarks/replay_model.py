@@ -31,10 +31,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 
 from kvshrink.benchmarks.e2e_paired import (BYTES_PER_TOKEN, MIB, REPLAY_HIT_POINTS_TARGET, REPLAY_PREFILL_TARGET,
-                                            STOCK_L2_EVICTION, PairedSettings, budgets_for, distinct_chunks)
+                                            STOCK_L2_EVICTION, PairedSettings, budgets_for, distinct_chunks,
+                                            prefix_chunk_keys)
 from kvshrink.benchmarks.paired_stats import difference_of_rates, ratio_of_sums, verdict
 
 SHIPPED_RATIO = 1.48  # the codec on real SmolLM2 KV (the codec section measures it)
@@ -48,18 +48,18 @@ class _Lru:
 
     def __init__(self, capacity: float, chunk_bytes: float, trigger: float = 1.0, share: float = 0.0) -> None:
         self.capacity, self.chunk_bytes, self.trigger, self.share = capacity, chunk_bytes, trigger, share
-        self.keys: OrderedDict[bytes, None] = OrderedDict()
+        self.keys: OrderedDict[str, None] = OrderedDict()
 
-    def __contains__(self, key: bytes) -> bool:
+    def __contains__(self, key: str) -> bool:
         return key in self.keys
 
-    def touch(self, key: bytes) -> None:
+    def touch(self, key: str) -> None:
         self.keys.move_to_end(key)
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: str) -> None:
         self.keys.pop(key, None)
 
-    def put(self, key: bytes) -> list[bytes]:
+    def put(self, key: str) -> list[str]:
         """Insert (or refresh) ``key``; returns the keys evicted, oldest first."""
         if key in self.keys:
             self.keys.move_to_end(key)
@@ -79,12 +79,6 @@ class _Lru:
         return len(self.keys) * self.chunk_bytes
 
 
-def chunk_keys(token_ids: Sequence[int], chunk_tokens: int) -> list[bytes]:
-    """One key per whole chunk, naming the whole prefix up to it (LMCache's prefix-chained hashes)."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    return [ids[:(i + 1) * chunk_tokens].tobytes() for i in range(ids.size // chunk_tokens)]
-
-
 class _StockL2All:
     """stock ``l2-all``: the whole budget in ``fs_native``, raw chunks."""
 
@@ -92,13 +86,13 @@ class _StockL2All:
         trigger, share = STOCK_L2_EVICTION["trigger_watermark"], STOCK_L2_EVICTION["eviction_ratio"]
         self.fs = _Lru((dram_mib + ssd_mib) * MIB, raw, trigger, share)
 
-    def holds(self, key: bytes) -> bool:
+    def holds(self, key: str) -> bool:
         return key in self.fs
 
-    def hit(self, key: bytes) -> None:
+    def hit(self, key: str) -> None:
         self.fs.touch(key)
 
-    def store(self, key: bytes) -> None:
+    def store(self, key: str) -> None:
         self.fs.put(key)
 
 
@@ -110,15 +104,15 @@ class _StockL1AllDram:
         trigger, share = STOCK_L2_EVICTION["trigger_watermark"], STOCK_L2_EVICTION["eviction_ratio"]
         self.l1, self.fs = _Lru(dram_mib * MIB, raw, *L1_EVICTION), _Lru(ssd_mib * MIB, raw, trigger, share)
 
-    def holds(self, key: bytes) -> bool:
+    def holds(self, key: str) -> bool:
         return key in self.l1 or key in self.fs
 
-    def hit(self, key: bytes) -> None:
+    def hit(self, key: str) -> None:
         if key in self.fs:
             self.fs.touch(key)
         self.l1.put(key)
 
-    def store(self, key: bytes) -> None:
+    def store(self, key: str) -> None:
         self.l1.put(key)
         self.fs.put(key)
 
@@ -133,17 +127,17 @@ class _Ours:
         self.dram, self.ssd = _Lru(dram_mib * MIB * dram_fill, raw / ratio), _Lru(ssd_mib * MIB, raw / ratio)
         self.promote = promote
 
-    def holds(self, key: bytes) -> bool:
+    def holds(self, key: str) -> bool:
         return key in self.dram or key in self.ssd
 
-    def hit(self, key: bytes) -> None:
+    def hit(self, key: str) -> None:
         if key in self.ssd and not self.promote:
             self.ssd.touch(key)
             return
         self.ssd.remove(key)
         self.store(key)  # promotion, or a DRAM hit refreshing the chunk
 
-    def store(self, key: bytes) -> None:
+    def store(self, key: str) -> None:
         for victim in self.dram.put(key):
             self.ssd.put(victim)
 
@@ -166,7 +160,7 @@ def predict(requests: Sequence[Any], dram_mib: float, ssd_mib: float, chunk_toke
               "ours": _Ours(dram_mib, ssd_mib, raw, ratio, dram_fill, _shipped_promotes())}
     hits: dict[str, list[int]] = {name: [] for name in stacks}
     for request in requests:
-        keys = chunk_keys(request.token_ids, chunk_tokens)
+        keys = prefix_chunk_keys(request.token_ids, chunk_tokens)
         for name, stack in stacks.items():
             n = next((i for i, key in enumerate(keys) if not stack.holds(key)), len(keys))  # LMCache's prefix lookup
             if tail_first and name == "ours":

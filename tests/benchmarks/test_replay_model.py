@@ -38,7 +38,7 @@ def test_a_budget_that_holds_everything_hits_every_reused_chunk_and_none_holds_n
     seen: set[bytes] = set()
     reusable = []
     for r in requests:  # whole chunks of a prefix already seen: what an unbounded cache serves
-        keys = replay_model.chunk_keys(r.token_ids, chunk)
+        keys = e2e_paired.prefix_chunk_keys(r.token_ids, chunk)
         n = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
         reusable.append(n * chunk)
         seen.update(keys)
