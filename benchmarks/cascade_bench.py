@@ -13,7 +13,9 @@ The main model is SmolLM2-135M-Instruct run with transformers ``generate`` (gree
 process, the same model as the condenser (the only one the project ships); vLLM is not involved,
 so the figures are about what condensation keeps, not about serving. An answer *matches* when the
 expected value appears, as whole words, in the generation (numbers compared without thousands
-separators); *exact* when the generation's first line is the value and nothing else.
+separators); *exact* when the generation's first line is the value and nothing else. *In context*
+counts the questions whose answer is still in the (condensed) documents shown: what the condenser
+kept, whatever the main model then makes of it.
 
 Documents are condensed question-independently (the proxy's default: one condensation per document,
 shared by every question), each document scored once for all ratios; ``--aware-ratios`` adds the
@@ -178,10 +180,13 @@ def run_set(model: Any, tokenizer: Any, condenser: Any, args: argparse.Namespace
         prompts = [prompt_ids(tokenizer, context, q.text) for q, context in zip(questions, contexts)]
         generations, seconds = answer_all(model, tokenizer, prompts, args.max_new_tokens)
         verdicts = [judge(g, q.answer) for g, q in zip(generations, questions)]
+        shown = [q.answer in "\n".join(context) for q, context in zip(questions, contexts)]
         rows[name] = {"prompt_tokens": sum(len(p) for p in prompts), "answer_seconds": seconds,
-                      "answers": [{"question": q.text, "expected": q.answer, "got": g, "exact": e, "match": m}
-                                  for q, g, (e, m) in zip(questions, generations, verdicts)]}
-        print(f"set {seed} {name:>22}: match {sum(m for _, m in verdicts)}/{len(questions)}, "
+                      "answers": [{"question": q.text, "expected": q.answer, "got": g, "exact": e, "match": m,
+                                   "in_context": k}
+                                  for q, g, (e, m), k in zip(questions, generations, verdicts, shown)]}
+        print(f"set {seed} {name:>22}: answer in context {sum(shown)}/{len(questions)}, "
+              f"match {sum(m for _, m in verdicts)}/{len(questions)}, "
               f"prompt tokens {rows[name]['prompt_tokens']}, {seconds:.1f} s", flush=True)
     return {"seed": seed, "document_tokens": [len(tokenizer(d).input_ids) for d in docs], "questions": len(questions),
             "question_independent_seconds": condense_s, "question_aware_seconds": aware_s, "settings": rows}
@@ -202,7 +207,8 @@ def summarize(sets: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for name in sets[0]["settings"]:
         match, exact = column(name, "match"), column(name, "exact")
         tokens = sum(s["settings"][name]["prompt_tokens"] for s in sets)
-        row: dict[str, Any] = {"setting": name, "questions": len(match), "match": int(sum(match)),
+        row: dict[str, Any] = {"setting": name, "questions": len(match),
+                               "answers_in_context": int(sum(column(name, "in_context"))), "match": int(sum(match)),
                                "exact": int(sum(exact)), "accuracy": sum(match) / max(1, len(match)),
                                "prompt_tokens": tokens, "prompt_tokens_vs_full": tokens / max(1, full_tokens),
                                "answer_seconds": sum(s["settings"][name]["answer_seconds"] for s in sets)}
@@ -234,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         vs = row.get("accuracy_vs_full")
         against = (f", vs full {vs['value']:.2f} (95 % {vs['low']:.2f}-{vs['high']:.2f})" if vs else "")
-        print(f"{row['setting']:>22}: match {row['match']}/{row['questions']} ({row['accuracy']:.1%}){against}"
+        print(f"{row['setting']:>22}: answer in context {row['answers_in_context']}/{row['questions']}, "
+              f"match {row['match']}/{row['questions']} ({row['accuracy']:.1%}){against}"
               f"{', ' + row['verdict'] if 'verdict' in row else ''}; prompt tokens {row['prompt_tokens_vs_full']:.2f}x",
               flush=True)
     report = {"machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},

@@ -19,6 +19,10 @@ Settings, per question, all over the same token ids:
   found by :class:`kvshrink.fuse.index.ContentIndex` and re-rotated to its new position; separators
   and the question are gaps; R of the reused tokens recomputed after the check layer (CacheBlend).
   ``r=0`` is re-rotation only;
+* ``oracle r=R`` (``--oracle``): the same fusion, but the R of reused tokens recomputed are those
+  whose re-rotated KV deviates most from the full prefill's (summed over K and V of every layer,
+  each layer scaled by its mean): a selection no server can make, since it needs the full prefill.
+  It bounds what any choice of which R to recompute can reach with this model;
 * ``history-docs`` / ``history-windows`` (``--history``, at ``--history-ratio``): what a server
   that only has the KV of the earlier questions' prompts would reuse: documents cut from those
   prompts at the separators, or LMCache's fixed 256-token chunks of them found at any offset.
@@ -200,6 +204,14 @@ def follow(engine: Any, kv: Any, first_logits: Any, prompt: list[int], reference
     return logits, own
 
 
+def oracle_priority(reused_kv: Any, full_kv: Any) -> Any:
+    """Per position: how far ``reused_kv`` (``[2, L, T, W]``, the prompt's KV as fusion starts from
+    it) is from ``full_kv`` (the full prefill's), as squared error summed over K and V of every
+    layer, each (K or V, layer) scaled by its mean over the positions so no layer dominates."""
+    err = ((reused_kv.float() - full_kv.float()) ** 2).sum(-1)  # [2, L, T]
+    return (err / err.mean(dim=-1, keepdim=True).clamp_min(1e-12)).sum(dim=(0, 1))
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return (0.0, 1.0)
@@ -271,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
           f"computed once in {docs_s:.1f} s; {len(rag.questions)} questions", flush=True)
 
     names = ["full"] + [f"fuse r={r:g}" for r in ratios]
+    oracle_ratios = [r for r in ratios if 0 < r < 1] if args.oracle else []  # 0 and 1 pick no one
+    names += [f"oracle r={r:g}" for r in oracle_ratios]
     if args.history and args.history_quality:
         names += [f"history-docs r={args.history_ratio:g}", f"history-windows r={args.history_ratio:g}"]
     tallies = {n: Tally() for n in names}
@@ -294,6 +308,14 @@ def run(args: argparse.Namespace) -> int:
             t = time.perf_counter()
             runs[f"fuse r={r:g}"] = (engine.fuse(prompt, segs, r, check_layer=args.check_layer, prefix_kv=header_kv),
                                      time.perf_counter() - t)
+        if oracle_ratios:
+            rerotated = engine.fuse(prompt, segs, 0.0, prefix_kv=header_kv).kv  # reused KV as a server has it
+            priority = oracle_priority(rerotated, full.kv)
+            for r in oracle_ratios:
+                t = time.perf_counter()
+                runs[f"oracle r={r:g}"] = (engine.fuse(prompt, segs, r, check_layer=args.check_layer,
+                                                       prefix_kv=header_kv, priority=priority),
+                                           time.perf_counter() - t)
         if args.history:
             doc_tokens = sum(len(rag.documents[d]) for _, d in placed)
             reuse["document_tokens"] += doc_tokens
@@ -365,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
                       "questions": len(rag.questions), "positions": positions,
                       "mean_prompt_tokens": sum(s["prompt_tokens"] for s in samples) / max(1, len(samples))},
               "settings": {"check_layer": args.check_layer, "anchor": args.anchor, "ratios": ratios,
+                           "oracle": args.oracle,
                            "history_depth": args.history_depth if args.history else 0},
               "rows": rows, "seconds": {"documents": docs_s, "total": total_s}, "samples": samples}
     if args.history and reuse["document_tokens"]:
@@ -406,6 +429,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     parser.add_argument("--check-layer", type=int, default=1)
     parser.add_argument("--anchor", type=int, default=16)
+    parser.add_argument("--oracle", action="store_true",
+                        help="also recompute the tokens that deviate most from the full prefill's KV (a bound, "
+                             "not a server's selection): rows 'oracle r=R'")
     parser.add_argument("--history", action="store_true",
                         help="also reuse from the earlier questions' prompts: documents split at the separator "
                              "vs fixed 256-token windows")

@@ -13,6 +13,9 @@ their new K/V overwrite the buffer at their positions and their queries attend c
   ``||k_new - k_reused||^2`` is measured, the top ``ratio`` of reused tokens (plus every gap
   token, which has no reused KV) are kept, and only those are computed in the later layers.
   ``ratio = 0`` skips the check: reused KV is kept as re-rotated, only gap tokens are computed.
+  A caller may rank the reused tokens itself (``priority``: a score per position, e.g. a
+  benchmark's oracle that knows the full prefill's KV); the check layer then keeps its top ``ratio``
+  instead of the most deviating ones, at the same cost.
 
 Precision: the weights are the model's (bf16 on disk) held in float32, the math runs in float32 (bf16
 matmuls are slow on CPUs without AVX512-BF16 / AMX), and every K/V written to the buffer is rounded
@@ -120,19 +123,23 @@ class FuseEngine:
 
     def fuse(self, token_ids: Sequence[int], segments: Sequence[ReusedSegment], ratio: float,
              check_layer: int = 1, prefix_kv: torch.Tensor | None = None,
-             logits_at: Sequence[int] = (-1,)) -> FuseResult:
+             logits_at: Sequence[int] = (-1,), priority: torch.Tensor | None = None) -> FuseResult:
         """CacheBlend: the prompt's KV from reused segments (re-rotated here) and recomputation.
 
         ``prefix_kv``, when given, is the exact KV of the prompt's first ``prefix_kv.shape[2]``
         tokens (an ordinary prefix hit); it is never recomputed. Segments must not overlap each
         other or the prefix. ``ratio`` in [0, 1] is the fraction of reused tokens recomputed after
-        ``check_layer`` (1 = full prefill of everything after the prefix).
+        ``check_layer`` (1 = full prefill of everything after the prefix). ``priority`` (float
+        ``[len(token_ids)]``), when given, picks those reused tokens (highest first) instead of the
+        check layer's K deviation; it is read, not kept.
         """
         if not 0.0 <= ratio <= 1.0:
             raise ConfigError("ratio", f"{ratio} is not in [0, 1]")
         if not 1 <= check_layer < self.num_layers:
             raise ConfigError("check_layer", f"{check_layer} is not in [1, {self.num_layers - 1}]")
         n = len(token_ids)
+        if priority is not None and tuple(priority.shape) != (n,):
+            raise ValueError(f"priority has shape {tuple(priority.shape)}, expected ({n},)")
         kv = self.empty_kv(n)
         reused = torch.zeros(n, dtype=torch.bool)
         prefix = 0
@@ -159,7 +166,7 @@ class FuseEngine:
             return result
         keep = max(1, int(math.ceil(ratio * n_reused)))
         return self.run(token_ids, kv, _indices(todo), logits_at=logits_at, reused_tokens=n_reused,
-                        check=(check_layer, reused, keep))
+                        check=(check_layer, reused, keep, priority))
 
     @torch.inference_mode()
     def layer0_keys(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
@@ -194,11 +201,12 @@ class FuseEngine:
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], kv: torch.Tensor, positions: Sequence[int],
             logits_at: Sequence[int] = (-1,), reused_tokens: int = 0,
-            check: tuple[int, torch.Tensor, int] | None = None) -> FuseResult:
+            check: tuple[int, torch.Tensor, int, torch.Tensor | None] | None = None) -> FuseResult:
         """Compute ``positions`` of the prompt over ``kv`` (modified in place and returned).
 
-        ``check = (layer, reused_mask, keep)``: at ``layer``, narrow the computed positions to the
-        non-reused ones plus the ``keep`` reused ones whose new K deviates most from the buffer's.
+        ``check = (layer, reused_mask, keep, priority)``: at ``layer``, narrow the computed positions
+        to the non-reused ones plus the ``keep`` reused ones whose new K deviates most from the
+        buffer's (or, when ``priority`` is not None, whose priority is highest).
         """
         n = kv.shape[2]
         logits_at = [p % n for p in logits_at]
@@ -215,10 +223,13 @@ class FuseEngine:
             attn = layer.self_attn
             k = apply_rope(attn.k_proj(x).view(-1, self.num_kv_heads, self.head_dim), cos, sin)
             if check is not None and index == check[0]:
-                reused_mask, keep = check[1], check[2]
+                reused_mask, keep, priority = check[1], check[2], check[3]
                 is_reused = reused_mask[sel]
-                old = kv[0, index, sel].float().view(-1, self.num_kv_heads, self.head_dim)
-                deviation = ((k - old) ** 2).sum(dim=(1, 2))
+                if priority is None:
+                    old = kv[0, index, sel].float().view(-1, self.num_kv_heads, self.head_dim)
+                    deviation = ((k - old) ** 2).sum(dim=(1, 2))
+                else:
+                    deviation = priority[sel].float().clone()
                 deviation[~is_reused] = float("inf")  # gap tokens are always computed
                 n_gap = int((~is_reused).sum())
                 chosen = torch.topk(deviation, k=min(len(sel), n_gap + keep)).indices.sort().values

@@ -34,21 +34,24 @@ def test_each_seed_is_another_set_and_the_first_is_unchanged(checkpoint: Path) -
     assert set(first[0]).isdisjoint(other[0]) and first[1] != other[1]
 
 
-def _set(seed: int, full: list[int], condensed: list[int], tokens: tuple[int, int]) -> dict:
-    def setting(matches: list[int], prompt_tokens: int) -> dict:
+def _set(seed: int, full: list[int], condensed: list[int], tokens: tuple[int, int], dropped: int = 0) -> dict:
+    """``dropped``: questions (the first ones) whose answer the condensed documents no longer hold."""
+    def setting(matches: list[int], prompt_tokens: int, dropped: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "answer_seconds": 1.0,
-                "answers": [{"question": "q", "expected": "1", "got": "1" if m else "2", "exact": m, "match": m}
-                            for m in matches]}
-    return {"seed": seed, "questions": len(full), "settings": {"full": setting(full, tokens[0]),
-                                                               "condensed 0.5": setting(condensed, tokens[1])}}
+                "answers": [{"question": "q", "expected": "1", "got": "1" if m else "2", "exact": m, "match": m,
+                             "in_context": i >= dropped} for i, m in enumerate(matches)]}
+    return {"seed": seed, "questions": len(full), "settings": {"full": setting(full, tokens[0], 0),
+                                                               "condensed 0.5": setting(condensed, tokens[1], dropped)}}
 
 
 def test_the_summary_pools_the_sets_and_decides_only_where_the_interval_clears() -> None:
     from kvshrink.benchmarks.cascade_bench import summarize
 
-    even = summarize([_set(17, [1, 0, 1, 1], [1, 0, 1, 1], (400, 200)), _set(18, [1, 1, 0, 0], [1, 1, 0, 0], (400, 220))])
+    even = summarize([_set(17, [1, 0, 1, 1], [1, 0, 1, 1], (400, 200), dropped=1),
+                      _set(18, [1, 1, 0, 0], [1, 1, 0, 0], (400, 220))])
     full, half = even
     assert (full["questions"], full["match"], full["accuracy"]) == (8, 5, 5 / 8)
+    assert (full["answers_in_context"], half["answers_in_context"]) == (8, 7)
     assert half["prompt_tokens_vs_full"] == 420 / 800 and half["accuracy_vs_full"]["value"] == 1.0
     assert half["verdict"] == "met"  # the same answers in every resample
     worse = summarize([_set(17, [1] * 6, [1, 0, 1, 0, 1, 0], (600, 300))])[1]

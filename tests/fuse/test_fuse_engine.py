@@ -104,6 +104,23 @@ def test_selective_recompute_picks_the_gaps_and_the_top_ratio(engine: FuseEngine
     assert kls[2] < kls[0], kls  # recomputing brings the next-token distribution closer to full prefill
 
 
+def test_a_caller_priority_picks_the_recomputed_tokens(engine: FuseEngine, rag: dict) -> None:
+    ids = rag["prompt"]
+    segments = _segments(engine, rag)
+    prefix = engine.prefill(rag["header"]).kv
+    wanted = list(range(rag["starts"]["a"] + 40, rag["starts"]["a"] + 72))  # 32 of document a's tokens
+    priority = torch.zeros(len(ids))
+    priority[wanted] = 1.0
+    fused = engine.fuse(ids, segments, ratio=32 / 210, prefix_kv=prefix, priority=priority)
+    reused = {p for s in segments for p in range(s.start, s.start + s.kv.shape[2])}
+    assert fused.recomputed_tokens == 32
+    assert sorted(set(fused.selected) & reused) == wanted
+    deviation = engine.fuse(ids, segments, ratio=32 / 210, prefix_kv=prefix)
+    assert sorted(set(deviation.selected) & reused) != wanted  # the check layer's own pick differs
+    with pytest.raises(ValueError, match="priority has shape"):
+        engine.fuse(ids, segments, ratio=0.15, priority=torch.zeros(3))
+
+
 def test_a_fused_kv_serves_as_an_ordinary_prefix(engine: FuseEngine, rag: dict) -> None:
     ids, tail = rag["prompt"], [13, 284, 260]
     fused = engine.fuse(ids, _segments(engine, rag), ratio=1.0, prefix_kv=engine.prefill(rag["header"]).kv)

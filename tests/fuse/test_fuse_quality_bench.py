@@ -43,3 +43,18 @@ def test_a_tiny_run_reports_every_setting(tmp_path: Path) -> None:
     assert rows["fuse r=0"]["tokens_computed_vs_full"] < 0.1  # only the gaps
     assert rows["fuse r=1"]["reused_tokens"] == sum(report["set"]["document_tokens"])
     assert set(report["reuse_from_history"]) == {"stock_prefix", "history-docs", "history-windows"}
+
+
+def test_the_oracle_ranks_by_deviation_from_full_prefill_in_every_layer() -> None:
+    import torch
+
+    from kvshrink.benchmarks.fuse_quality import oracle_priority
+
+    full = torch.randn(2, 3, 5, 4)
+    reused = full.clone()
+    reused[1, 2, 1] += 0.5  # a small error at position 1, in V of layer 2
+    reused[1, 2, 3] += 3.0  # a larger one at position 3
+    reused[0, 1] += 10.0  # every position equally wrong in K of layer 1: it ranks no one
+    priority = oracle_priority(reused.to(torch.bfloat16), full.to(torch.bfloat16))
+    assert priority.shape == (5,)
+    assert priority.argsort(descending=True)[:2].tolist() == [3, 1]
