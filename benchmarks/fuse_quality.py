@@ -309,8 +309,9 @@ def run(args: argparse.Namespace) -> int:
             runs[f"fuse r={r:g}"] = (engine.fuse(prompt, segs, r, check_layer=args.check_layer, prefix_kv=header_kv),
                                      time.perf_counter() - t)
         if oracle_ratios:
-            rerotated = engine.fuse(prompt, segs, 0.0, prefix_kv=header_kv).kv  # reused KV as a server has it
-            priority = oracle_priority(rerotated, full.kv)
+            # reused KV as a server has it: the r=0 fusion, already run when 0 is among the ratios
+            rerotated = runs["fuse r=0"][0] if "fuse r=0" in runs else engine.fuse(prompt, segs, 0.0, prefix_kv=header_kv)
+            priority = oracle_priority(rerotated.kv, full.kv)
             for r in oracle_ratios:
                 t = time.perf_counter()
                 runs[f"oracle r={r:g}"] = (engine.fuse(prompt, segs, r, check_layer=args.check_layer,

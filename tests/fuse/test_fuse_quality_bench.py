@@ -45,6 +45,16 @@ def test_a_tiny_run_reports_every_setting(tmp_path: Path) -> None:
     assert set(report["reuse_from_history"]) == {"stock_prefix", "history-docs", "history-windows"}
 
 
+def test_an_oracle_row_computes_what_its_ratio_computes(tmp_path: Path) -> None:
+    out = tmp_path / "oracle.json"
+    assert main(["--documents", "3", "--questions", "1", "--per-question", "3,3", "--doc-tokens", "200,210",
+                 "--ratios", "0,0.5", "--oracle", "--max-new-tokens", "6", "--json", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"full", "fuse r=0", "fuse r=0.5", "oracle r=0.5"}  # no oracle at 0: it picks no one
+    assert rows["oracle r=0.5"]["tokens_computed"] == rows["fuse r=0.5"]["tokens_computed"]
+    assert rows["oracle r=0.5"]["recomputed_tokens"] == rows["fuse r=0.5"]["recomputed_tokens"] > 0
+
+
 def test_the_oracle_ranks_by_deviation_from_full_prefill_in_every_layer() -> None:
     import torch
 
