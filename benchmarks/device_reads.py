@@ -6,6 +6,9 @@ Without this every SSD read of a benchmark that reads what it just wrote comes f
 
 * :func:`drop_cached` — ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file under some folders
   (after an ``fsync``: dirty pages are not dropped), so the next read goes to the device;
+* :func:`read_into_cache` — the opposite: every file under some folders read once, so the next
+  read of it comes from memory (a request served "from the page cache" is then that, and not
+  whatever part of the files a restart or an earlier drop left out);
 * :func:`sequential_read_gbps` — the device's own speed, measured in the same run: a file written,
   synced, dropped from the cache and read back in 4 MiB reads;
 * :func:`throttled_reads` — a cgroup v1 ``blkio`` group whose ``blkio.throttle.read_bps_device``
@@ -42,6 +45,24 @@ def drop_cached(folders: Sequence[Path]) -> int:
             if path.is_file():
                 _drop_file(path)
                 count += 1
+    return count
+
+
+def read_into_cache(folders: Sequence[Path]) -> int:
+    """Read every file under ``folders`` whole, so its pages are in the page cache; returns how
+    many. A file that goes away meanwhile (a store replacing it) is skipped."""
+    count = 0
+    for folder in folders:
+        for path in Path(folder).rglob("*"):
+            if not path.is_file():
+                continue
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while f.read(READ_BLOCK):
+                        pass
+            except FileNotFoundError:
+                continue
+            count += 1
     return count
 
 

@@ -1,5 +1,5 @@
 """Fixtures shared by every test area: real KV chunks, private shared-memory names, redis-server
-(standalone and a Redis Cluster)."""
+(standalone and a Redis Cluster), and the end-to-end prompt with plain vLLM's answer to it."""
 
 from __future__ import annotations
 
@@ -88,3 +88,34 @@ def shared_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+# -- end-to-end fixtures (real vLLM CPU), shared by the e2e modules -----------------------------------
+E2E_PROMPT_TOKENS = 2200  # 8 whole 256-token chunks + a tail; over vLLM CPU's 2048-token prefill step
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
+
+    return ensure_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def prompt() -> list[int]:
+    """~2K token ids of real text, the "code" corpus of the real-KV fixture."""
+    from kvshrink.testing.inprocess import prompt_token_ids
+
+    return prompt_token_ids(E2E_PROMPT_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(model: Path, prompt: list[int]) -> list[int]:
+    """Greedy output of vLLM without any KV connector: the reference every cached run must equal.
+    One plain vLLM for the whole session (a start and a cold prefill: minutes on CI)."""
+    from kvshrink.testing.inprocess import greedy_token_ids
+    from kvshrink.testing.launch import VLLMServer
+
+    with VLLMServer(model) as server:
+        server.start()
+        return greedy_token_ids(server.url, server.served_model_name, prompt)

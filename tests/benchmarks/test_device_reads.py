@@ -3,6 +3,7 @@ process back in its own group afterwards."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,10 +21,12 @@ def test_reads_are_capped_inside_and_not_after(tmp_path: Path) -> None:
     try:
         with dr.throttled_reads(tmp_path, 100 * 10**6) as device:
             assert device == dr.device_of(tmp_path)
-            capped = dr.sequential_read_gbps(tmp_path, 64 << 20)
+            capped = dr.sequential_read_gbps(tmp_path, 160 << 20)
     except dr.DeviceUnavailable as exc:
         pytest.skip(f"no blkio throttling here: {exc}")
-    assert capped <= 0.125, capped  # 100 MB/s, a quarter over at most for the first burst
+    # 100 MB/s, a quarter over at most: the throttle lets a first burst through (CI: ~14 MB, which
+    # made a 64 MiB read 0.1257 GB/s), so the read is long enough for that to be a tenth of it
+    assert capped <= 0.125, capped
     assert _blkio_group() == home
     assert not list(dr.BLKIO.glob("kvshrink-*"))  # the group is gone (how fast reads are after it
     # depends on what else uses the disk: not asserted)
@@ -36,7 +39,7 @@ def _resident_pages(path: Path) -> int:
 
 
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="fincore (util-linux) is not installed")
-def test_every_file_under_the_folders_leaves_the_page_cache(tmp_path: Path) -> None:
+def test_every_file_under_the_folders_leaves_the_page_cache_and_comes_back(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     files = [tmp_path / "a", tmp_path / "sub" / "b"]
     for path in files:
@@ -44,12 +47,14 @@ def test_every_file_under_the_folders_leaves_the_page_cache(tmp_path: Path) -> N
     assert all(_resident_pages(p) > 0 for p in files)
     assert dr.drop_cached([tmp_path]) == 2
     assert [_resident_pages(p) for p in files] == [0, 0]
+    assert dr.read_into_cache([tmp_path]) == 2  # and back: every page resident again
+    assert [_resident_pages(p) for p in files] == [(1 << 20) // os.sysconf("SC_PAGE_SIZE")] * 2
 
 
 def test_other_processes_are_capped_together_and_go_back(tmp_path: Path) -> None:
     """What the TTFT rows do to both cache servers: another process's reads capped, then home."""
     data = tmp_path / "data"
-    data.write_bytes(b"\x5a" * (48 << 20))
+    data.write_bytes(b"\x5a" * (128 << 20))  # long enough for the throttle's first burst to be a tenth
     dr.drop_cached([tmp_path])
     reader = subprocess.Popen(["sh", "-c", "read _; dd if=\"$0\" of=/dev/null bs=4M 2>&1", str(data)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -62,7 +67,7 @@ def test_other_processes_are_capped_together_and_go_back(tmp_path: Path) -> None
         reader.kill()
         pytest.skip(f"no blkio throttling here: {exc}")
     seconds = float(out.split(" s, ")[0].rsplit(",", 1)[1])  # dd: "... bytes (...) copied, 0.48 s, 105 MB/s"
-    assert (48 << 20) / seconds <= 125 * 10**6, out
+    assert (128 << 20) / seconds <= 125 * 10**6, out
     assert not list(dr.BLKIO.glob("kvshrink-*"))
 
 

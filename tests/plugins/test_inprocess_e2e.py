@@ -1,7 +1,8 @@
 """End to end: vLLM CPU + KVShrink's LMCache connector (kv_connector_module_path), real SmolLM2, real LMCache.
 
-A ~2K-token prompt is sent twice; LMCache's own log lines must show the first request stored and
-the second retrieved whole chunks, and the greedy tokens must equal plain vLLM's, token for token.
+A ~2K-token prompt (tests/conftest.py) is sent twice; LMCache's own log lines must show the first
+request stored and the second retrieved whole chunks, and the greedy tokens must equal plain
+vLLM's, token for token.
 """
 
 from __future__ import annotations
@@ -18,39 +19,12 @@ from kvshrink.testing.inprocess import (
     LMCacheActivity,
     greedy_token_ids,
     in_process_server,
-    prompt_token_ids,
 )
 from kvshrink.testing.polling import poll_until
 
 pytestmark = pytest.mark.e2e
 
-PROMPT_TOKENS = 2200
 CHUNK = 256
-WHOLE_CHUNK_TOKENS = PROMPT_TOKENS // CHUNK * CHUNK  # 2048: LMCache keeps whole chunks only
-# vLLM CPU reserves one more core when a KV connector is set; give both servers the same threads.
-SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
-
-    return ensure_checkpoint()
-
-
-@pytest.fixture(scope="module")
-def prompt() -> list[int]:
-    return prompt_token_ids(PROMPT_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(model: Path, prompt: list[int]) -> list[int]:
-    """Greedy output of vLLM without any KV connector."""
-    from kvshrink.testing.launch import VLLMServer
-
-    with VLLMServer(model, env=SERVER_ENV) as server:
-        server.start()
-        return greedy_token_ids(server.url, server.served_model_name, prompt)
 
 
 def _serve_twice(server, prompt: list[int]) -> tuple[list[list[int]], list[LMCacheActivity]]:
@@ -63,22 +37,12 @@ def _serve_twice(server, prompt: list[int]) -> tuple[list[list[int]], list[LMCac
     return outputs, activity
 
 
-def _assert_stored_then_retrieved(activity: list[LMCacheActivity]) -> None:
+def _assert_stored_then_retrieved(activity: list[LMCacheActivity], whole_chunk_tokens: int) -> None:
     first, second = activity
     assert first.hit_tokens == [0] and first.retrieved_tokens == []
-    assert first.stored_tokens == [WHOLE_CHUNK_TOKENS]
-    assert second.hit_tokens == [0, WHOLE_CHUNK_TOKENS]
-    assert second.retrieved_tokens == [WHOLE_CHUNK_TOKENS]
-
-
-def test_second_request_is_served_from_lmcache_and_matches_plain_vllm(model, prompt, plain_tokens, tmp_path) -> None:
-    server = in_process_server(model, DEFAULT_CONFIG, log_path=tmp_path / "vllm.log", env=SERVER_ENV)
-    outputs, activity = _serve_twice(server, prompt)
-    log = server.log_path.read_text(errors="replace")
-    assert "engine uses the KVShrink CPU connector" in log
-    assert "CPU connector bound to 30 KV layers" in log
-    _assert_stored_then_retrieved(activity)
-    assert outputs == [plain_tokens, plain_tokens]
+    assert first.stored_tokens == [whole_chunk_tokens]
+    assert second.hit_tokens == [0, whole_chunk_tokens]
+    assert second.retrieved_tokens == [whole_chunk_tokens]
 
 
 def _chunk_files(directory: Path, count: int, timeout: float = 60.0) -> list[Path]:
@@ -91,10 +55,12 @@ def _chunk_files(directory: Path, count: int, timeout: float = 60.0) -> list[Pat
     return files()
 
 
-def test_unset_hash_seed_still_hits_and_stores_the_models_kv(model, prompt, plain_tokens, tmp_path) -> None:
-    """PYTHONHASHSEED unset: the plugin seeds vLLM's processes. LMCache's disk copy is checked against
-    the K and V that Hugging Face transformers computes for the same tokens (the real-KV fixture):
-    only a connector that reads vLLM CPU's packed pages correctly stores the model's KV."""
+def test_second_request_is_served_from_lmcache_and_stores_the_models_kv(model, prompt, plain_tokens, tmp_path) -> None:
+    """The second request is served from LMCache and both equal plain vLLM's output, with
+    PYTHONHASHSEED unset (the plugin seeds vLLM's processes; the seeded path is the storage plugin's
+    e2e test). LMCache's disk copy is checked against the K and V that Hugging Face transformers
+    computes for the same tokens (the real-KV fixture): only a connector that reads vLLM CPU's
+    packed pages correctly stores the model's KV."""
     from kvshrink.testing.fixtures.real_kv import real_kv
 
     disk = tmp_path / "lmcache-disk"
@@ -103,15 +69,19 @@ def test_unset_hash_seed_still_hits_and_stores_the_models_kv(model, prompt, plai
     config_file = tmp_path / "lmcache.yaml"
     config_file.write_text(yaml.safe_dump(config))
 
-    server = in_process_server(model, config_file, seed=None, log_path=tmp_path / "vllm.log", env=SERVER_ENV)
+    server = in_process_server(model, config_file, seed=None, log_path=tmp_path / "vllm.log")
     assert "PYTHONHASHSEED" not in server.env
     outputs, activity = _serve_twice(server, prompt)
-    assert "PYTHONHASHSEED was unset" in server.log_path.read_text(errors="replace")
-    _assert_stored_then_retrieved(activity)
+    log = server.log_path.read_text(errors="replace")
+    assert "engine uses the KVShrink CPU connector" in log
+    assert "CPU connector bound to 30 KV layers" in log
+    assert "PYTHONHASHSEED was unset" in log
+    whole = len(prompt) // CHUNK * CHUNK  # LMCache keeps whole chunks only
+    _assert_stored_then_retrieved(activity, whole)
     assert outputs == [plain_tokens, plain_tokens]
 
-    reference = real_kv("code", WHOLE_CHUNK_TOKENS).view(np.uint16)  # [2, 30, 2048, 192] bf16 bits
-    chunks = [reference[:, :, i:i + CHUNK] for i in range(0, WHOLE_CHUNK_TOKENS, CHUNK)]
+    reference = real_kv("code", whole).view(np.uint16)  # [2, 30, whole, 192] bf16 bits
+    chunks = [reference[:, :, i:i + CHUNK] for i in range(0, whole, CHUNK)]
     files = _chunk_files(disk, len(chunks))
     assert len(files) == len(chunks)
     matched = []
