@@ -60,8 +60,9 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
             assert device["stock"] >= 0.95 * raw, (name, device)  # stock's raw files, from the device
             assert 0.5 * raw <= device["ours"] <= 0.75 * device["stock"], (name, device)  # compressed
             assert "stock at its best: fs_native" in row["label"] and row["stock_variants"], row["label"]
-        else:  # page cache / Redis: nothing from the disk
-            assert device["stock"] < 0.1 * raw and device["ours"] < 0.1 * raw, (name, device)
+        else:  # page cache / Redis: not the tier's files from the disk (a tier read is >= half of raw
+            # on either side); a little may be library pages the kernel dropped beside three vLLMs
+            assert device["stock"] < 0.25 * raw and device["ours"] < 0.25 * raw, (name, device, row)
     for side in ("stock", "ours"):  # the cap held for every request (TTFT is longer than the read)
         for x in rows["ssd, 500 MB/s device"][side]:
             assert x["device_read_bytes"] / x["ttft_s"] <= 1.25 * 500e6, (side, x)
