@@ -37,14 +37,17 @@ class DeviceUnavailable(KVShrinkError):
     """This machine cannot throttle reads (no cgroup v1 blkio controller, or not root)."""
 
 
+def _files_under(folders: Sequence[Path]) -> Iterator[Path]:
+    for folder in folders:
+        yield from (path for path in Path(folder).rglob("*") if path.is_file())
+
+
 def drop_cached(folders: Sequence[Path]) -> int:
     """Sync every file under ``folders`` and drop it from the page cache; returns how many."""
     count = 0
-    for folder in folders:
-        for path in Path(folder).rglob("*"):
-            if path.is_file():
-                _drop_file(path)
-                count += 1
+    for path in _files_under(folders):
+        _drop_file(path)
+        count += 1
     return count
 
 
@@ -52,17 +55,14 @@ def read_into_cache(folders: Sequence[Path]) -> int:
     """Read every file under ``folders`` whole, so its pages are in the page cache; returns how
     many. A file that goes away meanwhile (a store replacing it) is skipped."""
     count = 0
-    for folder in folders:
-        for path in Path(folder).rglob("*"):
-            if not path.is_file():
-                continue
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    while f.read(READ_BLOCK):
-                        pass
-            except FileNotFoundError:
-                continue
-            count += 1
+    for path in _files_under(folders):
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while f.read(READ_BLOCK):
+                    pass
+        except FileNotFoundError:
+            continue
+        count += 1
     return count
 
 
