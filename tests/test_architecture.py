@@ -39,6 +39,7 @@ LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.storage_backends": "backends",
     "kvshrink.plugins": "plugins",  # the package of the two below; its __init__ imports nothing
     "kvshrink.plugins.vllm": "vllm",
+    "kvshrink.plugins.vllm.cpu_kv_layout": "vllm_layout",  # vLLM CPU's paged KV layout, probed: a leaf
     "kvshrink.plugins.router": "router",
     "kvshrink.cli": "cli",
     "kvshrink.testing": "harness",
@@ -51,10 +52,11 @@ ALLOWED: dict[str, set[str]] = {
     "configs": {"store"},
     "index": set(),
     "cascade": {"store"},  # a TieredStore may keep condensations
-    "fuse": set(),  # torch + transformers only
+    "fuse": {"vllm_layout"},  # torch + transformers, and how vLLM CPU lays out the chunks it fuses
     "backends": {"configs", "store", "codec"},
     "plugins": set(),
-    "vllm": {"backends", "configs", "store", "codec"},
+    "vllm": {"backends", "configs", "store", "codec", "vllm_layout"},
+    "vllm_layout": set(),
     "router": {"index"},
     "cli": set(),  # dispatches by dotted path (COMMANDS), imports none of the commands
 }

@@ -30,8 +30,10 @@ replace the same-named ones; each delegates to the built-in it replaces:
   ``finish_write``: ordinary chunks of the store, compressed, tiered, evictable); (5) call the
   built-in lookup, which now finds a prefix hit that vLLM loads; vLLM computes only the tail.
 * ``register_kv_cache_engine_driven_context``: the built-in, remembering vLLM's paged block size
-  (vLLM CPU's chunk objects are raw rows of its paged cache, see :class:`ChunkCodec`; the variant
-  is picked by checking a stored chunk's layer-0 keys against the model's own, once per model).
+  (vLLM CPU's chunk objects are raw rows of its paged cache, read through the paged layout probed
+  from vLLM's own cache writer in this process, see :class:`ChunkCodec`; before a model's first
+  fusion, a stored chunk's layer-0 keys decoded that way must be the model's own). The probe needs
+  vLLM CPU importable in the cache server's process and the server on vLLM's host (the same ISA).
 * ``query_prefetch_status`` / ``wait_prefetch_status`` answer "still running" while a request's
   fusion job runs (vLLM's scheduler polls without blocking and retries), then delegate;
   ``end_session`` of a request whose job still runs makes the job skip its built-in lookup.
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
     from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext
 
     from kvshrink.fuse.engine import FuseEngine
+    from kvshrink.plugins.vllm.cpu_kv_layout import PagedLayout
 
 log = logging.getLogger(__name__)
 
@@ -100,61 +103,72 @@ COUNTERS = ("fused_salt_lookups", "fusions", "already_fused", "no_match", "fallb
 class ChunkCodec:
     """LMCache's chunk object <-> the engine's ``[2, L, C, H*D]`` (K post-RoPE, then V).
 
-    Split K/V objects, ``[2, L, C, H*D]`` (CUDA engines), need no conversion. vLLM CPU's are
-    ``[L, C, H*2D]``: LMCache gathers token *rows* of vLLM CPU's paged cache ``[blocks, H,
-    block_size, 2D]``, whose per-(block, head) memory is the block's keys, then its values (vLLM's
-    cpu_attn views it as ``[blocks, H, 2*block_size, D]`` and splits dim 2) — the rows of a block
-    hold that memory in order, not one token's K and V. How the keys sit in their half depends on
-    vLLM's attention ISA: ``k_transposed`` (``[D, block_size]``: the ``vec`` / ``vec16`` kernels of
-    x86 without AMX, measured here with ``cpu_attn_reshape_and_cache``) or token rows
-    (``[block_size, D]``). Values are token rows in both. :class:`KVFuseModule` picks the variant
-    whose layer-0 keys match the model's, so an unknown layout is refused, never misread."""
+    Split K/V objects, ``[2, L, C, H*D]``, need no conversion: that shape is LMCache's own KV format,
+    which its GPU connectors (CUDA engines) gather into themselves, so no paged layout of the
+    engine's enters the object and nothing is probed. vLLM CPU's objects are ``[L, C, H*2D]``:
+    LMCache gathers token *rows* of vLLM CPU's paged cache ``[blocks, H, block_size, 2D]``, so
+    each block of an object holds its page's memory as ``[block_size rows, H, 2D]``. Where a
+    token's K and V sit inside a page depends on the attention ISA vLLM picked (K transposed for
+    the vector kernels, 16-token groups of bf16 pairs with AMX, ...); ``paged`` is that layout as
+    :func:`~kvshrink.plugins.vllm.cpu_kv_layout.probe_paged_layout` learned it from vLLM's own
+    cache writer, the same probe the in-process CPU connector uses. Decode and encode are then one
+    gather / scatter over a precomputed index, on every ISA vLLM CPU supports.
+
+    Buffers: ``decode`` returns a new tensor; ``encode`` returns a new tensor (neither input is
+    changed). Immutable after construction; safe from any thread."""
 
     def __init__(self, shape: tuple[int, ...], layers: int, heads: int, head_dim: int,
-                 block_size: int | None = None, k_transposed: bool = False) -> None:
+                 paged: "PagedLayout | None" = None) -> None:
         self.shape, self.layers, self.heads, self.head_dim = shape, layers, heads, head_dim
         self.fused = len(shape) == 3
-        self.block_size, self.k_transposed = block_size, k_transposed
+        if self.fused and paged is None:
+            from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError
+
+            raise KVLayoutError("a vLLM CPU chunk object [L, C, H*2D] needs the probed paged layout")
+        self.paged = paged if self.fused else None
+        self._index = _object_index(paged, shape[1]) if self.fused else None
 
     @property
     def name(self) -> str:
-        if not self.fused:
+        if self.paged is None:
             return "split"
-        return f"vllm-cpu-{'kt' if self.k_transposed else 'rows'}-bs{self.block_size}"
+        return f"vllm-cpu-{self.paged.isa}-bs{self.paged.block_size}"
 
     def decode(self, x: "torch.Tensor") -> "torch.Tensor":
-        import torch
-
-        if not self.fused:
+        if self._index is None:
             return x
         layers, tokens, _ = x.shape
-        bs, heads, dim = self.block_size, self.heads, self.head_dim
-        assert bs is not None
-        blocks = tokens // bs
-        y = x.reshape(layers, blocks, bs, heads, 2 * dim).permute(0, 1, 3, 2, 4)  # [L, nb, H, bs rows, 2D]
-        y = y.reshape(layers, blocks, heads, 2, bs * dim)  # each (block, head): its K half, its V half
-        if self.k_transposed:
-            k = y[:, :, :, 0].reshape(layers, blocks, heads, dim, bs).permute(0, 1, 4, 2, 3)
-        else:
-            k = y[:, :, :, 0].reshape(layers, blocks, heads, bs, dim).permute(0, 1, 3, 2, 4)
-        v = y[:, :, :, 1].reshape(layers, blocks, heads, bs, dim).permute(0, 1, 3, 2, 4)  # [L, nb, bs, H, D]
-        return torch.stack([k.reshape(layers, tokens, heads * dim), v.reshape(layers, tokens, heads * dim)])
+        kv = x.reshape(layers, -1).index_select(1, self._index)  # [L, 2*C*H*D]: K rows, then V rows
+        return kv.view(layers, 2, tokens, self.heads * self.head_dim).transpose(0, 1).contiguous()
 
     def encode(self, kv: "torch.Tensor") -> "torch.Tensor":
         import torch
 
-        if not self.fused:
+        if self._index is None:
             return kv
         _, layers, tokens, _ = kv.shape
-        bs, heads, dim = self.block_size, self.heads, self.head_dim
-        assert bs is not None
-        blocks = tokens // bs
-        k = kv[0].reshape(layers, blocks, bs, heads, dim)
-        k = k.permute(0, 1, 3, 4, 2) if self.k_transposed else k.permute(0, 1, 3, 2, 4)
-        v = kv[1].reshape(layers, blocks, bs, heads, dim).permute(0, 1, 3, 2, 4)
-        y = torch.stack([k.reshape(layers, blocks, heads, bs * dim), v.reshape(layers, blocks, heads, bs * dim)], 3)
-        y = y.reshape(layers, blocks, heads, bs, 2 * dim).permute(0, 1, 3, 2, 4)  # [L, nb, bs rows, H, 2D]
-        return y.reshape(layers, tokens, heads * 2 * dim)
+        out = torch.empty(layers, self._index.numel(), dtype=kv.dtype)
+        out.index_copy_(1, self._index, kv.transpose(0, 1).reshape(layers, -1))
+        return out.view(layers, tokens, 2 * self.heads * self.head_dim)
+
+
+def _object_index(paged: "PagedLayout", tokens: int) -> "torch.Tensor":
+    """For every element of ``[2, tokens, H, D]`` (K/V, token, head, dim), its offset in one layer of
+    a vLLM CPU chunk object (``tokens`` whole blocks of token rows of the paged cache)."""
+    import torch
+
+    from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError
+
+    bs, heads, dim = paged.block_size, paged.num_kv_heads, paged.head_size
+    if tokens % bs:
+        raise KVLayoutError(f"a chunk of {tokens} tokens is not whole blocks of {bs}")
+    page = paged.positions  # [bs, 2, H, D]: offsets in the page [H, bs, 2D]
+    head, within = page // (bs * 2 * dim), page % (bs * 2 * dim)
+    row, col = within // (2 * dim), within % (2 * dim)
+    in_block = row * (heads * 2 * dim) + head * (2 * dim) + col  # the same element in [bs rows, H, 2D]
+    blocks = torch.arange(tokens // bs, dtype=torch.long).view(-1, 1, 1, 1, 1) * paged.page_elems
+    index = (blocks + in_block.unsqueeze(0)).view(tokens, 2, heads, dim)
+    return index.permute(1, 0, 2, 3).reshape(-1).contiguous()
 
 
 class FuseFallback(KVShrinkError):
@@ -259,7 +273,7 @@ class KVFuseModule:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshrink-fuse")
         self._warned: set[str] = set()
         self._block_sizes: dict[tuple[str, int], int] = {}  # (model, world size) -> vLLM's paged block size
-        self._codecs: dict[tuple[str, int], ChunkCodec] = {}  # the layout variant that matched the model
+        self._codecs: dict[tuple[str, int], ChunkCodec] = {}  # chunk codecs checked against the model
         self.last_fallback: dict[str, Any] = {}
 
     # -- EngineModule -------------------------------------------------------------------------------
@@ -441,7 +455,7 @@ class KVFuseModule:
             return "no_match"
         if key.world_size != 1:
             raise FuseFallback("fallback_layout", f"world size {key.world_size} is not fused")
-        layout, codecs = self._layout(key)
+        layout, codec, checked = self._layout(key)
         tokens = list(key.token_ids[:chunks * size])
         hashes = ctx.token_hasher.compute_chunk_hashes(tokens, end=chunks * size)
         own = ipc_key_to_object_keys(key, hashes, [0])[0]
@@ -465,8 +479,8 @@ class KVFuseModule:
             self._forget(missing)
             raise FuseFallback("fallback_missing", f"{len(missing)} of {len(matches)} reusable chunks "
                                                    "are gone (evicted or unreadable)")
-        codec = self._choose_codec(key, codecs, tokens[matches[0].start:matches[0].end], matches[0].source_start,
-                                   sources[0])
+        if not checked:
+            self._check_codec(key, codec, tokens[matches[0].start:matches[0].end], matches[0].source_start, sources[0])
         sources = [codec.decode(x) for x in sources]
         present = [None if x is None else codec.decode(x) for x in present]
         errors = [self._key_error(tokens[m.start:m.end], m.source_start, kv) for m, kv in zip(matches, sources)]
@@ -513,8 +527,10 @@ class KVFuseModule:
         while len(self._fused_keys) > FUSED_KEYS_KEPT:
             self._fused_keys.popitem(last=False)
 
-    def _layout(self, key: IPCCacheServerKey) -> tuple[Any, list[ChunkCodec]]:
-        """The registered chunk layout, checked against the model this module fuses with."""
+    def _layout(self, key: IPCCacheServerKey) -> tuple[Any, ChunkCodec, bool]:
+        """The registered chunk layout, its codec and whether that codec was already checked against
+        the model's own keys (once per model); FuseFallback("fallback_layout") where the registered
+        shape is not the fusion model's or vLLM CPU's paged layout cannot be probed here."""
         import torch
 
         layouts = self._ctx.layout_desc_registry.find_group_layout_descs(key.model_name, key.world_size)
@@ -524,42 +540,48 @@ class KVFuseModule:
         e, size = self.engine, self._ctx.chunk_size
         with self._lock:
             block = self._block_sizes.get((key.model_name, key.world_size))
+            checked = self._codecs.get((key.model_name, key.world_size))
+        if checked is not None:
+            return layout, checked, True
         split, fused = (2, e.num_layers, size, e.kv_width), (e.num_layers, size, 2 * e.kv_width)
         shapes = [tuple(s) for s in layout.shapes]
+        dtype = e.kv_dtype or torch.float32
         ok = (shapes == [split] or (shapes == [fused] and block is not None and size % block == 0))
-        if not ok or list(layout.dtypes) != [e.kv_dtype or torch.float32]:
-            if key.model_name not in self._warned:
-                self._warned.add(key.model_name)
-                log.error("KV Fuse: %s registered chunks %s %s (block size %s), but the fusion model makes %s or "
-                          "%s %s: not fused", key.model_name, shapes, list(layout.dtypes), block, split, fused,
-                          e.kv_dtype)
+        if not ok or list(layout.dtypes) != [dtype]:
+            self._log_once(key.model_name, "KV Fuse: %s registered chunks %s %s (block size %s), but the fusion "
+                           "model makes %s or %s %s: not fused", key.model_name, shapes, list(layout.dtypes), block,
+                           split, fused, e.kv_dtype)
             raise FuseFallback("fallback_layout", f"layout {shapes} is neither {split} nor {fused}")
-        with self._lock:
-            chosen = self._codecs.get((key.model_name, key.world_size))
-        if chosen is not None:
-            return layout, [chosen]
         if shapes == [split]:
-            return layout, [ChunkCodec(split, e.num_layers, e.num_kv_heads, e.head_dim)]
-        return layout, [ChunkCodec(fused, e.num_layers, e.num_kv_heads, e.head_dim, block, k_transposed=kt)
-                        for kt in (True, False)]
+            return layout, ChunkCodec(split, e.num_layers, e.num_kv_heads, e.head_dim), False
+        from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError, probe_paged_layout
 
-    def _choose_codec(self, key: IPCCacheServerKey, codecs: list[ChunkCodec], tokens: list[int], start: int,
-                      raw: "torch.Tensor") -> ChunkCodec:
-        """The layout variant under which a stored chunk's layer-0 keys are the model's (remembered
-        per model); none: the layout is unknown (or the chunk damaged) and nothing is fused."""
-        errors = {}
-        for codec in codecs:
-            errors[codec.name] = self._key_error(tokens, start, codec.decode(raw))
-            if errors[codec.name] <= KEY_CHECK_TOLERANCE:
-                if len(codecs) > 1:
-                    with self._lock:
-                        self._codecs[(key.model_name, key.world_size)] = codec
-                    log.warning("KV Fuse: %s chunks decode as %s (layer-0 key error %.4f)", key.model_name,
-                                codec.name, errors[codec.name])
-                return codec
-        raise FuseFallback("fallback_corrupt" if len(codecs) == 1 else "fallback_layout",
-                           "no chunk layout gives the model's layer-0 keys: " +
-                           ", ".join(f"{name} {err:.3g}" for name, err in errors.items()))
+        try:  # vLLM CPU's own cache writer, as the vLLM engine beside this server runs it
+            paged = probe_paged_layout(e.num_kv_heads, block, e.head_dim, dtype)
+        except KVLayoutError as exc:
+            self._log_once(key.model_name, "KV Fuse: %s: vLLM CPU's paged KV layout cannot be probed in the "
+                           "cache server's process (%s): not fused", key.model_name, exc)
+            raise FuseFallback("fallback_layout", f"vLLM CPU's paged layout cannot be probed here: {exc}") from exc
+        return layout, ChunkCodec(fused, e.num_layers, e.num_kv_heads, e.head_dim, paged), False
+
+    def _log_once(self, model_name: str, message: str, *args: Any) -> None:
+        """Log a model's layout problem once (every request of it would repeat it)."""
+        if model_name not in self._warned:
+            self._warned.add(model_name)
+            log.error(message, *args)
+
+    def _check_codec(self, key: IPCCacheServerKey, codec: ChunkCodec, tokens: list[int], start: int,
+                     raw: "torch.Tensor") -> None:
+        """Before a model's first fusion: a stored chunk's layer-0 keys, decoded by ``codec``, must be
+        the model's own (remembered per model). Else the layout is not what the probe says (vLLM runs
+        on another ISA than this process, another engine) and nothing of this model is fused."""
+        error = self._key_error(tokens, start, codec.decode(raw))
+        if not error <= KEY_CHECK_TOLERANCE:
+            raise FuseFallback("fallback_layout", f"the {codec.name} chunk layout does not give the model's layer-0 "
+                                                  f"keys (error {error:.3g} > {KEY_CHECK_TOLERANCE})")
+        with self._lock:
+            self._codecs[(key.model_name, key.world_size)] = codec
+        log.warning("KV Fuse: %s chunks decode as %s (layer-0 key error %.4f)", key.model_name, codec.name, error)
 
     def _key_error(self, tokens: list[int], start: int, kv: "torch.Tensor") -> float:
         """Worst per-token relative error of ``kv``'s layer-0 keys against the model's own; infinite

@@ -16,6 +16,7 @@ import pytest
 from kvshrink.benchmarks import tier_ttft as tt
 from kvshrink.benchmarks.comparison import OURS, STOCK
 from kvshrink.benchmarks.e2e_paired import BYTES_PER_TOKEN
+from kvshrink.benchmarks.paired_stats import verdict
 from kvshrink.benchmarks.suite_sections import tiers_section
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800),
@@ -36,9 +37,16 @@ def test_each_row_reads_from_the_tier_it_names(tmp_path) -> None:
                          "remote", "resume, hint", "resume, no hint"}
     raw = PROMPT * BYTES_PER_TOKEN
 
+    # Node B served the whole prompt from the shared tier, with node A's cold answer. How much that
+    # saves depends on the CPU's prefill speed (~20 s cold on AVX2, well under a second with AMX),
+    # so the 0.35 target is the benchmark's verdict; here: the figures are B's and A's own samples
+    # and the verdict is the one their interval gives.
     cross = rows["cross-node"]
-    assert cross["ours"][0]["hit_tokens"] == PROMPT and cross["ours"][0]["text"] == cross["stock"][0]["text"]
-    assert cross["ratio"]["first_request"] < 0.35 and cross["verdict"] == "met"  # 768 tokens cold: ~20 s here
+    first, cold = cross["ours"][0], cross["stock"][0]
+    assert first["hit_tokens"] == first["l2_hit_tokens"] == PROMPT and cold["hit_tokens"] == 0, cross
+    assert first["text"] == cold["text"] and cold["ttft_s"] == result["cold_ttft_s"]["ours"]
+    assert cross["ratio"]["first_request"] == pytest.approx(first["ttft_s"] / cold["ttft_s"])
+    assert cross["verdict"] == verdict(cross["ratio"], tt.CROSS_NODE_TARGET), cross
 
     for name in ("resume, hint", "resume, no hint"):  # every request loaded the whole prefix from our tiers
         assert all(x["l2_hit_tokens"] == PROMPT for side in ("stock", "ours") for x in rows[name][side]), name

@@ -91,7 +91,10 @@ def delete_chunk(cache: Any, model: str, prompt: list[int], index: int, salt: st
 
 def test_kv_fuse_serves_reordered_documents_through_vllm(tmp_path: Path, checkpoint: Path, tokenizer: Any,
                                                          record_property: Any) -> None:
+    import torch
+
     from kvshrink.fuse.keys import FuseSettings, fused_salt
+    from kvshrink.plugins.vllm.cpu_kv_layout import attention_isa
     from kvshrink.testing.launch import LMCacheServer, VLLMServer
     from kvshrink.testing.mp_observe import (cache_counters, connector_config_with_heartbeat, wait_for_engine,
                                             wait_for_store)
@@ -137,7 +140,9 @@ def test_kv_fuse_serves_reordered_documents_through_vllm(tmp_path: Path, checkpo
 
         # b. the documents reordered: every chunk reused at another offset, fused, served as a prefix hit
         fused, delta, hit = request("b_BA_fused", ba, salt)
-        assert delta["fusions"] == 1, report
+        assert delta["fallback_layout"] == 0 and delta["fusions"] == 1, report
+        isa = attention_isa(torch.bfloat16, 128, 64)  # what vLLM's attention picks on this CPU
+        assert [v.rsplit("-bs", 1)[0] for v in fuse_status(cache)["layouts"].values()] == [f"vllm-cpu-{isa}"], report
         assert delta["reused_chunks"] == 4 and delta["fused_chunks_written"] == 4, report
         assert hit == 4 * CHUNK, report
         report["last_fusion"] = fuse_status(cache)["last_fusion"]

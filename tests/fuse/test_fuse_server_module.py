@@ -163,16 +163,20 @@ class FakeLookup:
 
 
 class FakeTransfer:
-    """The built-in engine-driven store: puts the given KV under the key's chunks."""
+    """The built-in engine-driven store: puts the given KV (tokens on its second-to-last dim: split
+    ``[2, L, T, H*D]`` or vLLM CPU's ``[L, T, H*2D]``) under the key's chunks."""
 
     def __init__(self, ctx: FakeContext) -> None:
         self.ctx = ctx
         self.kv: torch.Tensor | None = None
 
+    def register_kv_cache_engine_driven_context(self, payload: Any) -> None:
+        return None
+
     def commit_store(self, key: Any, instance_id: int, cpu_data: bytes) -> bool:
         for i, obj_key in enumerate(self.ctx.resolve_obj_keys(key, [0])[0]):
             start = key.start + i * CHUNK
-            self.ctx.storage_manager.objects[obj_key] = self.kv[:, :, start:start + CHUNK].clone()
+            self.ctx.storage_manager.objects[obj_key] = self.kv.narrow(self.kv.dim() - 2, start, CHUNK).clone()
         return True
 
 
@@ -291,49 +295,119 @@ def test_a_slow_fusion_reports_still_running(stack: Any, docs: dict, stored_ab: 
     assert stack.module.query_prefetch_status("r2") == 7 and stack.lookup.calls[-1].request_id == "r2"
 
 
-def gathered_chunk(write: Any, kv: torch.Tensor, heads: int, dim: int, block: int) -> torch.Tensor:
-    """The chunk LMCache stores for vLLM CPU: ``write(key, value, key_cache, value_cache, slots)``
-    fills the paged cache ``[blocks, H, block, 2D]`` through vLLM's ``[blocks, H, 2*block, D]`` view;
-    LMCache then gathers each slot's row over every head."""
-    _, layers, tokens, _ = kv.shape
-    chunk = torch.empty(layers, tokens, heads * 2 * dim, dtype=kv.dtype)
+BLOCK = 128  # vLLM CPU's paged block size for SmolLM2
+
+
+def vllm_cpu_chunks(kv: torch.Tensor, isa: str) -> torch.Tensor:
+    """``kv`` ``[2, L, T, H*D]`` as LMCache stores it for vLLM CPU (``[L, T, H*2D]``): written into a
+    paged cache ``[blocks, H, block, 2D]`` by vLLM's own cache writer for ``isa``, then gathered by
+    token rows (each slot's row over every head), as LMCache's engine-driven store does."""
+    from kvshrink.plugins.vllm.cpu_kv_layout import write_tokens
+
+    _, layers, tokens, width = kv.shape
+    heads, dim = 3, width // 3
+    out = torch.empty(layers, tokens, heads * 2 * dim, dtype=kv.dtype)
     for layer in range(layers):
-        cache = torch.zeros(tokens // block, heads, block, 2 * dim, dtype=kv.dtype)
-        keys, values = cache.view(tokens // block, heads, 2 * block, dim).chunk(2, dim=2)
-        write(kv[0, layer].view(tokens, heads, dim).contiguous(), kv[1, layer].view(tokens, heads, dim).contiguous(),
-              keys, values, torch.arange(tokens, dtype=torch.int64))
-        for t in range(tokens):
-            chunk[layer, t] = cache[t // block, :, t % block].reshape(-1)
-    return chunk
+        cache = torch.full((tokens // BLOCK, heads, BLOCK, 2 * dim), float("nan"), dtype=kv.dtype)
+        write_tokens(cache, kv[0, layer].reshape(tokens, heads, dim).contiguous(),
+                     kv[1, layer].reshape(tokens, heads, dim).contiguous(), torch.arange(tokens), isa)
+        out[layer] = cache.permute(0, 2, 1, 3).reshape(tokens, -1)
+    return out
 
 
-def test_the_vllm_cpu_chunk_layout_with_token_rows_decodes_to_k_and_v() -> None:
+def usable_isa(isa: str) -> str:
+    from kvshrink.testing.vllm_cpu_isa import isa_unavailable
+
+    reason = isa_unavailable(isa)
+    if reason is not None:
+        pytest.skip(reason)
+    return isa
+
+
+@pytest.mark.parametrize("isa", ["amx", "vec", "vec16"])
+def test_the_chunk_codec_reads_and_writes_vllm_cpu_chunks_through_the_probed_layout(isa: str) -> None:
+    """Real KV written by vLLM's cache writer for each ISA (AMX's 16-token groups of bf16 pairs,
+    the vector kernels' transposed K), gathered as LMCache stores it: decode gives K and V back,
+    encode gives the stored chunk back, bit for bit."""
+    pytest.importorskip("vllm._custom_ops")
     from kvshrink.fuse.server_module import ChunkCodec
+    from kvshrink.plugins.vllm.cpu_kv_layout import probe_paged_layout
+    from kvshrink.testing.fixtures.real_kv import real_kv
 
-    def write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
-        for t in slots.tolist():
-            kc[t // 8, :, t % 8], vc[t // 8, :, t % 8] = k[t], v[t]
-
-    kv = torch.randn(2, 2, 16, 3 * 4)
-    chunk = gathered_chunk(write, kv, heads=3, dim=4, block=8)
-    codec = ChunkCodec(tuple(chunk.shape), 2, 3, 4, block_size=8, k_transposed=False)
+    usable_isa(isa)
+    kv = torch.from_numpy(real_kv("prose", 2 * CHUNK)[:, :3].copy()).view(torch.bfloat16)  # [2, 3, 512, 192]
+    chunk = vllm_cpu_chunks(kv, isa)
+    codec = ChunkCodec(tuple(chunk.shape), 3, 3, 64, probe_paged_layout(3, BLOCK, 64, torch.bfloat16, isa))
+    assert codec.name == f"vllm-cpu-{isa}-bs{BLOCK}"
     assert torch.equal(codec.decode(chunk), kv) and torch.equal(codec.encode(kv), chunk)
+    naive_k = chunk.view(3, 2 * CHUNK, 3, 128)[..., :64].reshape(3, 2 * CHUNK, 192)
+    assert not torch.equal(naive_k, kv[0])  # the rows are not [K | V] per token on any ISA
 
 
-def test_vllm_cpus_own_cache_writer_matches_the_transposed_key_layout() -> None:
-    """vLLM's ``cpu_attn_reshape_and_cache`` on this machine (the ISA vLLM picks here) stores keys
-    ``[D, block]`` per block and head: the ``k_transposed`` variant decodes what it wrote."""
-    ops = pytest.importorskip("vllm._custom_ops")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+def test_a_vllm_cpu_chunk_object_without_its_layout_is_refused() -> None:
     from kvshrink.fuse.server_module import ChunkCodec
+    from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError
 
-    heads, dim, block = 3, 64, 128
-    isa = _get_attn_isa(torch.bfloat16, block, dim)
-    if isa not in ("vec", "vec16"):
-        pytest.skip(f"vLLM picks the {isa} kernels here; only vec / vec16 layouts were measured")
-    kv = torch.randn(2, 2, 2 * block, heads * dim).to(torch.bfloat16)
-    chunk = gathered_chunk(lambda k, v, kc, vc, slots: ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa),
-                           kv, heads, dim, block)
-    codec = ChunkCodec(tuple(chunk.shape), 2, heads, dim, block_size=block, k_transposed=True)
-    assert torch.equal(codec.decode(chunk), kv) and torch.equal(codec.encode(kv), chunk)
+    with pytest.raises(KVLayoutError, match="probed paged layout"):
+        ChunkCodec((30, CHUNK, 384), 30, 3, 64)
+
+
+@pytest.fixture
+def cpu_stack(engine: Any) -> Any:
+    """The stand-in stack with vLLM CPU's chunk objects ``[L, C, H*2D]`` and its block size registered."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.multiprocess.custom_types import RegisterEngineDrivenContextPayload
+
+    pytest.importorskip("vllm._custom_ops")
+    ctx = FakeContext(engine.num_layers, engine.kv_width)
+    layout = MemoryLayoutDesc(shapes=[torch.Size([engine.num_layers, CHUNK, 2 * engine.kv_width])],
+                              dtypes=[torch.bfloat16])
+    ctx.layout_desc_registry = SimpleNamespace(find_group_layout_descs=lambda model, ws: {0: layout})
+    lookup, transfer = FakeLookup(), FakeTransfer(ctx)
+    module = KVFuseModule(ctx, lookup, transfer, FuseModuleSettings(enabled=True, model_path="unused"), engine)
+    module.register_kv_cache_engine_driven_context(RegisterEngineDrivenContextPayload(
+        instance_id=1, model_name=MODEL, world_size=1, block_size=BLOCK, num_layers=engine.num_layers,
+        hidden_dim_size=2 * engine.kv_width, dtype_str="bfloat16", use_mla=False))
+    yield SimpleNamespace(ctx=ctx, lookup=lookup, transfer=transfer, module=module, storage=ctx.storage_manager)
+    module.close()
+
+
+def test_vllm_cpu_chunks_of_the_isa_vllm_picks_here_are_fused(cpu_stack: Any, docs: dict, stored_ab: tuple) -> None:
+    """What KV Fuse meets under vLLM CPU on this machine: chunks in the layout of the ISA vLLM's
+    attention picks here. They fuse (no layout fallback), and the fused chunks it writes are in
+    that layout too: read back through vLLM's own layout, their layer-0 keys are the model's."""
+    from kvshrink.fuse.server_module import KEY_CHECK_TOLERANCE
+    from kvshrink.plugins.vllm.cpu_kv_layout import attention_isa, probe_paged_layout
+
+    isa = attention_isa(torch.bfloat16, BLOCK, 64)
+    tokens_ab, kv_ab = stored_ab
+    store(cpu_stack, tokens_ab, vllm_cpu_chunks(kv_ab[:, :, :2 * CHUNK], isa), SALT, "r1")
+    tokens_ba = docs["B"] + docs["A"] + docs["Q"]
+    delta = look_up(cpu_stack, tokens_ba, SALT, "r2")
+    assert delta.get("fallback_layout", 0) == 0 and delta["fusions"] == 1, cpu_stack.module.last_fallback
+    assert delta["fused_chunks_written"] == 2
+    status = cpu_stack.module.report_status()["kvshrink_fuse"]
+    assert status["layouts"] == {f"{MODEL}@1": f"vllm-cpu-{isa}-bs{BLOCK}"}
+    codec = cpu_stack.module._codecs[(MODEL, 1)]
+    assert codec.paged is probe_paged_layout(3, BLOCK, 64, torch.bfloat16)  # the CPU connector's probe
+    written = [cpu_stack.storage.objects[k] for k in cpu_stack.storage.writes]
+    for i, chunk in enumerate(written):
+        assert tuple(chunk.shape) == (30, CHUNK, 384)
+        error = cpu_stack.module._key_error(tokens_ba[i * CHUNK:(i + 1) * CHUNK], i * CHUNK, codec.decode(chunk))
+        assert error <= KEY_CHECK_TOLERANCE, (i, error)
+
+
+def test_vllm_cpu_chunks_in_another_isas_layout_are_refused_not_misread(cpu_stack: Any, docs: dict,
+                                                                        stored_ab: tuple) -> None:
+    """Chunks laid out for an ISA other than the one this process probes (vLLM on another host):
+    the layer-0 key check refuses the layout, nothing is written, the stock lookup runs."""
+    from kvshrink.plugins.vllm.cpu_kv_layout import attention_isa
+
+    here = attention_isa(torch.bfloat16, BLOCK, 64)
+    other = usable_isa("vec" if here == "amx" else "amx")
+    tokens_ab, kv_ab = stored_ab
+    store(cpu_stack, tokens_ab, vllm_cpu_chunks(kv_ab[:, :, :2 * CHUNK], other), SALT, "r1")
+    delta = look_up(cpu_stack, docs["B"] + docs["A"] + docs["Q"], SALT, "r2")
+    assert delta["fallback_layout"] == 1 and "fusions" not in delta, delta
+    assert "does not give the model's layer-0 keys" in cpu_stack.module.last_fallback["detail"]
+    assert cpu_stack.storage.writes == [] and cpu_stack.lookup.calls[-1].request_id == "r2"

@@ -19,8 +19,12 @@ ISAS = ("amx", "vec", "vec16")
 
 
 def _layout(isa: str):
-    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
-        pytest.skip("this CPU has no AMX tiles")
+    """The probed layout of ``isa`` (AMX's too on a CPU without AMX tiles: packing needs none)."""
+    from kvshrink.testing.vllm_cpu_isa import isa_unavailable
+
+    reason = isa_unavailable(isa)
+    if reason is not None:
+        pytest.skip(reason)
     return probe_paged_layout(NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, DTYPE, isa)
 
 
