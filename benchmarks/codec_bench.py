@@ -6,6 +6,9 @@ checked bit-exact. Speeds are GB/s of *uncompressed* bytes. "threads" columns us
 per-call parallelism (ours: block-parallel; zstd: its compression workers; ZipNN: its threads);
 "n/a" where a codec has none. A GIL-free reference (zstd on independent blocks) is timed on 1 and
 N threads in the same run, to show how much parallel capacity the machine had at that moment.
+"kvshrink fast" decodes into a preallocated buffer (``decode(out=...)``, what a cache load does), and
+"plain copy" copies each sample into a new array and back into a preallocated one: the memory-speed
+limit of any codec, measured in the same run.
 
 The measuring functions (``load_samples``, ``contenders``, ``measure``, ``entropy_bounds``,
 ``parallel_capacity``) are importable for the larger benchmark suite.
@@ -26,6 +29,10 @@ import numpy as np
 
 RATIO_TARGET = 1.45
 SCALING_TARGET = 1.6
+FAST_RATIO_TARGET = 1.33  # the fast method (issue 27): ratio on every sample, GB/s on one core, scaling
+FAST_DECODE_TARGET = 6.0
+FAST_ENCODE_TARGET = 3.0
+FAST_SCALING_TARGET = 1.8
 
 
 @dataclass
@@ -97,6 +104,11 @@ def contenders(threads: int, include_zipnn: bool = True) -> list[Contender]:
         for t in sorted({1, threads}):
             codec = Codec(method=method, threads=t)
             out.append(Contender(label, codec.encode, codec.decode, t))
+    for t in sorted({1, threads}):
+        codec = Codec(method="fast", threads=t)
+        out.append(Contender("kvshrink fast", codec.encode, _into_out(codec), t))
+    copy_into = _into_out(None)
+    out.append(Contender("plain copy (numpy)", np.copy, copy_into))
     for t in sorted({1, threads}):
         cctx = zstandard.ZstdCompressor(level=1, threads=0 if t == 1 else t)
         dctx = zstandard.ZstdDecompressor()
@@ -224,6 +236,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _into_out(codec: Any) -> Callable[[Any], np.ndarray]:
+    """decompress(blob) into one preallocated array per (shape, dtype), reused across calls; with
+    ``codec`` None the "blob" is the array itself and is copied (the plain-copy contender)."""
+    buffers: dict[tuple, np.ndarray] = {}
+
+    def decompress(blob: Any) -> np.ndarray:
+        if codec is None:
+            key = (blob.shape, blob.dtype.str)
+        else:
+            h = codec.read_header(blob)
+            key = (h.shape, h.dtype)
+        out = buffers.get(key)
+        if out is None:
+            out = buffers[key] = np.empty(key[0], dtype=np.dtype(key[1]))
+        if codec is None:
+            np.copyto(out, blob)
+            return out
+        return codec.decode(blob, out=out)
+
+    return decompress
+
+
+def _fast_targets(by: dict[tuple[str, int], Result], threads: int) -> dict[str, bool]:
+    one, many = by.get(("kvshrink fast", 1)), by.get(("kvshrink fast", threads))
+    if one is None:
+        return {}
+    checks = {
+        f"fast: ratio >= {FAST_RATIO_TARGET} on every sample": min(one.ratios) >= FAST_RATIO_TARGET,
+        f"fast: 1-thread decompress >= {FAST_DECODE_TARGET} GB/s": one.decompress_gbps >= FAST_DECODE_TARGET,
+        f"fast: 1-thread compress >= {FAST_ENCODE_TARGET} GB/s": one.compress_gbps >= FAST_ENCODE_TARGET,
+    }
+    if threads > 1 and many is not None:
+        for direction in ("compress", "decompress"):
+            checks[f"fast: {threads} threads >= {FAST_SCALING_TARGET}x 1 thread ({direction})"] = \
+                getattr(many, f"{direction}_gbps") >= FAST_SCALING_TARGET * getattr(one, f"{direction}_gbps")
+    return checks
+
+
 def _targets(results: list[Result], threads: int) -> dict[str, Any]:
     by = {(r.name, r.threads): r for r in results}
     ours1, oursn = by[("kvshrink zstd", 1)], by[("kvshrink zstd", threads)]
@@ -239,6 +289,7 @@ def _targets(results: list[Result], threads: int) -> dict[str, Any]:
             oursn.compress_gbps >= SCALING_TARGET * ours1.compress_gbps
         checks[f"{threads} threads >= {SCALING_TARGET}x 1 thread (decompress)"] = \
             oursn.decompress_gbps >= SCALING_TARGET * ours1.decompress_gbps
+    checks.update(_fast_targets(by, threads))
     return checks
 
 

@@ -2,8 +2,9 @@
 
 Method: cut the input into independent blocks, split each block's elements into byte streams
 (most significant byte first, optionally after a one-bit rotation that puts the bf16/fp32 exponent
-in one byte), then per stream: zstd (or deflate for ``qat``) when the data says it pays, stored
-otherwise. Blocks run in parallel; every block carries a checksum of its decoded bytes.
+in one byte), then per stream: zstd (or deflate for ``qat``, or fixed-width codes with an escape
+list for ``fast``, built for decode speed: :mod:`kvshrink.codec.packed`) when the data says it
+pays, stored otherwise. Blocks run in parallel; every block carries a checksum of its decoded bytes.
 
     frame = encode(kv)                  # numpy (bf16 as uint16 view) or torch tensor
     kv2 = decode(frame)                 # same container, dtype, shape; bit-exact

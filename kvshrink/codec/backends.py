@@ -6,7 +6,8 @@
   bits than the Huffman-coded literals they replace, and a 64-entry table keeps matches to the
   cheap local ones (measured on SmolLM2 KV: high stream 2.92 -> 2.78 bits/byte, compression 2-3x
   faster);
-* gzip: deflate members (RFC 1952), what QAT hardware writes; software path via ISA-L or zlib.
+* gzip: deflate members (RFC 1952), what QAT hardware writes; software path via ISA-L or zlib;
+* packed: fixed-width codes plus exceptions (the ``fast`` method, :mod:`kvshrink.codec.packed`).
 
 zstd compressor objects are not thread-safe: each thread keeps its own, created once and reused.
 Every decoder is bounded by the stream's known decoded size, so no input can make it allocate or
@@ -22,9 +23,9 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from kvshrink.codec import qat
+from kvshrink.codec import packed, qat
 from kvshrink.codec.errors import CodecError
-from kvshrink.codec.frame import GZIP, STORED, ZSTD
+from kvshrink.codec.frame import GZIP, PACKED, STORED, ZSTD
 
 ZSTD_LEVELS = range(1, 23)
 GZIP_LEVELS = range(1, 10)
@@ -146,6 +147,10 @@ def decompress(coding: int, payload: memoryview, size: int) -> bytes | memoryvie
         return payload
     if coding == ZSTD:
         return zstd_decompress(payload, size)
+    if coding == PACKED:
+        out = np.empty(size, np.uint8)
+        packed.decode_stream(payload, out)
+        return out
     return gzip_decompress(payload, size)
 
 
@@ -159,13 +164,16 @@ def decompress_into(coding: int, payload: memoryview, out: np.ndarray) -> np.nda
         return payload
     if coding == ZSTD:
         return zstd_decompress_into(payload, out)
+    if coding == PACKED:
+        packed.decode_stream(payload, out)
+        return out
     out[:] = np.frombuffer(gzip_decompress(payload, out.nbytes), dtype=np.uint8)
     return out
 
 
 def validate_level(method: str, level: int) -> int:
     """``level`` if the method accepts it; ValueError naming the valid range otherwise."""
-    if method == "raw":
+    if method in ("raw", "fast"):  # no levels: ``fast`` has one setting, chosen per block from the data
         return 0
     valid = ZSTD_LEVELS if method == "zstd" else GZIP_LEVELS
     if not isinstance(level, int) or level not in valid:

@@ -1,11 +1,13 @@
 """The self-describing frame: layout, writing, and strict validation on reading.
 
-Frame format version 1 (all integers little-endian)::
+Frame format versions 1 and 2 (all integers little-endian); version 2 is written only by the
+``fast`` method, whose packed streams a version-1 reader does not know (it then says the frame
+was written by a newer kvshrink); every other frame is still written as version 1::
 
     offset  size  field
     0       4     magic b"KVSZ"
-    4       1     format version (1)
-    5       1     method: 0 raw, 1 zstd, 2 qat (informational; each stream names its own coding)
+    4       1     format version (1; 2 for fast frames)
+    5       1     method: 0 raw, 1 zstd, 2 qat, 3 fast (version 2 only; each stream names its coding)
     6       1     container: 0 numpy, 1 torch
     7       1     transform: 0 none, 1 rotl1 (each element rotated left by one bit before the split)
     8       1     element width w in bytes (1..16)
@@ -17,7 +19,8 @@ Frame format version 1 (all integers little-endian)::
     24      L     dtype name, ASCII: numpy ``dtype.str`` ("<u2") or torch name ("bfloat16")
     ..      8*ndim       shape
     ..      8*nblocks    xxh3-64 of each block's raw (decoded) bytes
-    ..      nblocks*s    stream coding: 0 stored, 1 zstd frame, 2 gzip members (deflate)
+    ..      nblocks*s    stream coding: 0 stored, 1 zstd frame, 2 gzip members (deflate),
+                         3 packed (fixed-width codes + exceptions, :mod:`kvshrink.codec.packed`)
     ..      4*nblocks*s  stream payload sizes
     ..      8     xxh3-64 of every header byte above
     payload: the streams, block by block; within a block, most significant byte first
@@ -41,12 +44,14 @@ from kvshrink.codec.dtypes import CONTAINERS, ArrayKind, dtype_width
 from kvshrink.codec.errors import CodecError
 
 MAGIC = b"KVSZ"
-FORMAT_VERSION = 1
-METHODS = ("raw", "zstd", "qat")
+FORMAT_VERSION = 2  # the newest version this reader knows
+FAST_VERSION = 2  # fast frames; every other method writes version 1, which older readers know
+METHODS = ("raw", "zstd", "qat", "fast")
 TRANSFORMS = ("none", "rotl1")
 
-STORED, ZSTD, GZIP = 0, 1, 2
-CODINGS = {"raw": frozenset({STORED}), "zstd": frozenset({STORED, ZSTD}), "qat": frozenset({STORED, GZIP})}
+STORED, ZSTD, GZIP, PACKED = 0, 1, 2, 3
+CODINGS = {"raw": frozenset({STORED}), "zstd": frozenset({STORED, ZSTD}), "qat": frozenset({STORED, GZIP}),
+           "fast": frozenset({STORED, PACKED})}
 _ALLOWED = {m: np.isin(np.arange(256), sorted(c)) for m, c in CODINGS.items()}  # coding byte -> allowed?
 
 MAX_NDIM = 32
@@ -109,7 +114,7 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
                 checksums: list[int], codings: list[list[int]], sizes: list[list[int]]) -> bytes:
     """Header bytes (up to and including the header checksum) for blocks already encoded."""
     name = kind.dtype.encode("ascii")
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, METHODS.index(method), CONTAINERS.index(kind.container),
+    fixed = _FIXED.pack(MAGIC, version_for(method), METHODS.index(method), CONTAINERS.index(kind.container),
                         TRANSFORMS.index(transform), kind.itemsize, streams_per_block, len(kind.shape),
                         len(name), block_elems, 0)
     parts = [fixed, name,
@@ -119,6 +124,11 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
              np.asarray(sizes, dtype="<u4").tobytes()]
     body = b"".join(parts)
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def version_for(method: str) -> int:
+    """The format version a frame of ``method`` is written as: the oldest that can hold it."""
+    return FAST_VERSION if method == "fast" else 1
 
 
 def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tuple[FrameHeader, StreamTable]:
@@ -132,10 +142,12 @@ def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTE
         _FIXED.unpack_from(blob, 0)
     if magic != MAGIC:
         raise CodecError(f"not a KV Shrink frame (magic {magic!r}, expected {MAGIC!r})")
-    if version != FORMAT_VERSION:
+    if not 1 <= version <= FORMAT_VERSION:
         newer = " (written by a newer kvshrink; upgrade to read it)" if version > FORMAT_VERSION else ""
-        raise CodecError(f"unsupported frame format version {version}{newer}; this reader knows {FORMAT_VERSION}")
+        raise CodecError(f"unsupported frame format version {version}{newer}; this reader knows 1..{FORMAT_VERSION}")
     _check(method_id < len(METHODS), f"unknown method id {method_id}")
+    _check(version == version_for(METHODS[method_id]),
+           f"a {METHODS[method_id]} frame must be format version {version_for(METHODS[method_id])}, not {version}")
     _check(container_id < len(CONTAINERS), f"unknown container id {container_id}")
     _check(transform_id < len(TRANSFORMS), f"unknown transform id {transform_id}")
     _check(reserved == 0, "reserved header field is not zero")
@@ -182,7 +194,7 @@ def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTE
         what = "truncated" if header_size + payload > n else "has trailing bytes"
         raise CodecError(f"frame {what}: header says {header_size + payload} bytes, got {n}")
     offsets = (header_size + np.cumsum(sizes.reshape(-1)) - sizes.reshape(-1)).reshape(nblocks, streams)
-    header = FrameHeader(FORMAT_VERSION, method, container, dtype, shape, width, TRANSFORMS[transform_id],
+    header = FrameHeader(version, method, container, dtype, shape, width, TRANSFORMS[transform_id],
                          streams, block_elems, nblocks, header_size, n)
     return header, StreamTable(checksums, codings, sizes, offsets)
 

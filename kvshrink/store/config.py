@@ -19,6 +19,12 @@ from kvshrink.errors import ConfigError
 
 EVICTION_POLICIES = ("lru", "fifo")
 TIER_KINDS = ("dram", "ssd", "redis")
+# A tier's ``codec``: ``raw`` (framed and checksummed, not compressed), ``fast`` (the exponent byte
+# packed, the rest moved at memory speed: ~1.33x, decoded at several GB/s per core) or ``dense``
+# (byte planes + ``method``: zstd, or qat = deflate, ~1.48x at ~2 GB/s). ``compressed: true/false``
+# is the older spelling of dense / raw.
+TIER_CODECS = ("raw", "fast", "dense")
+DENSE_METHODS = ("zstd", "qat")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -54,8 +60,13 @@ class TierConfig:
     eviction: str = "lru"
     put: bool = False
     write_back: bool = False
-    method: str = "zstd"
+    method: str = "zstd"  # the codec method of compressed frames: "fast", or a dense method (zstd, qat)
     level: int = 1
+
+    @property
+    def codec(self) -> str:
+        """``raw``, ``fast`` or ``dense`` (:data:`TIER_CODECS`): what the ``codec`` key says."""
+        return "raw" if not self.compressed else "fast" if self.method == "fast" else "dense"
     # dram
     shm_name: str = ""
     hugepages: bool = False
@@ -193,7 +204,7 @@ def _parse_tier(data: Any, index: int) -> TierConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping, got {type(data).__name__}")
     kind = one_of(data.get("kind"), TIER_KINDS, f"{prefix}.kind")
-    common = {f.name for f in fields(TierConfig)} - set().union(*_KIND_ONLY_KEYS.values())
+    common = {f.name for f in fields(TierConfig)} - set().union(*_KIND_ONLY_KEYS.values()) | {"codec"}
     reject_unknown(data, common | _KIND_ONLY_KEYS[kind], prefix)
     values = {**_TIER_DEFAULTS[kind], **data}
     out: dict[str, Any] = {"kind": kind, "name": str(values.get("name", kind))}
@@ -206,14 +217,30 @@ def _parse_tier(data: Any, index: int) -> TierConfig:
         if key in values:
             out[key] = bool_value(values[key], f"{prefix}.{key}")
     out["eviction"] = one_of(str(values["eviction"]).lower(), EVICTION_POLICIES, f"{prefix}.eviction")
-    if "method" in values:
-        out["method"] = _compressing_method(values["method"], f"{prefix}.method")
-    method = out.get("method", TierConfig.method)
-    out["level"] = _level(values.get("level", TierConfig.level), method, f"{prefix}.level")
+    _parse_codec(data, values, out, prefix)
+    _parse_kind_specific(kind, values, out, prefix)
     if index == 0 and out.get("write_back"):
         raise ConfigError(f"{prefix}.write_back", "the first tier cannot be a write-back target; use put: true")
-    _parse_kind_specific(kind, values, out, prefix)
     return TierConfig(**out)
+
+
+def _parse_codec(data: Mapping[str, Any], values: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
+    """``codec`` (raw / fast / dense), ``method`` (dense only) and ``level`` into ``compressed``,
+    ``method`` and ``level``; ``compressed`` (the older key) must agree with ``codec``."""
+    if "method" in data:
+        out["method"] = one_of(data["method"], DENSE_METHODS, f"{prefix}.method")
+    if "codec" in data:
+        codec = one_of(data["codec"], TIER_CODECS, f"{prefix}.codec")
+        if "compressed" in data and out["compressed"] != (codec != "raw"):
+            raise ConfigError(f"{prefix}.compressed", f"says {out['compressed']} but codec says {codec}; "
+                                                      "drop compressed (codec replaces it)")
+        if "method" in data and codec != "dense":
+            raise ConfigError(f"{prefix}.method", f"chooses a dense method; this tier's codec is {codec}")
+        out["compressed"] = codec != "raw"
+        if codec == "fast":
+            out["method"] = "fast"
+    method = out.get("method", TierConfig.method)
+    out["level"] = _level(values.get("level", TierConfig.level), method, f"{prefix}.level")
 
 
 def _parse_kind_specific(kind: str, values: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
@@ -240,13 +267,6 @@ def _parse_kind_specific(kind: str, values: Mapping[str, Any], out: dict[str, An
             out["retries"] = int_value(values["retries"], f"{prefix}.retries", minimum=0)
         if "namespace" in values:
             out["namespace"] = str(values["namespace"])
-
-
-def _compressing_method(value: Any, key: str) -> str:
-    from kvshrink.codec import METHODS
-
-    choices = [m for m in METHODS if m != "raw"]  # uncompressed tiers say compressed: false
-    return str(one_of(value, choices, key))
 
 
 def _level(value: Any, method: str, key: str) -> int:

@@ -44,3 +44,16 @@ def test_cli_is_wired():
     parser = argparse.ArgumentParser()
     codec_bench.add_arguments(parser)
     assert parser.parse_args([]).samples == 8
+
+
+def test_fast_mode_and_plain_copy_are_measured(real_chunks):
+    samples = [("code#0", np.ascontiguousarray(real_chunks[0][:, :4]))]
+    contenders = [c for c in codec_bench.contenders(threads=2, include_zipnn=False)
+                  if c.name.startswith(("kvshrink fast", "plain copy", "kvshrink zstd", "numcodecs"))]
+    results = codec_bench.measure(samples, contenders, repeats=1)
+    by = {(r.name, r.threads): r for r in results}
+    assert {("kvshrink fast", 1), ("kvshrink fast", 2), ("plain copy (numpy)", 1)} <= set(by)
+    assert all(r.exact for r in results)
+    assert by[("kvshrink fast", 1)].ratio >= 1.33 and by[("plain copy (numpy)", 1)].ratio == 1.0
+    targets = codec_bench._targets(results, 2)
+    assert sum(name.startswith("fast:") for name in targets) == 5

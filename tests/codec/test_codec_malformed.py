@@ -17,7 +17,7 @@ import zstandard
 
 from kvshrink.codec import Codec, CodecError, UnsupportedArrayError, decode, encode, read_header
 from kvshrink.codec.dtypes import ArrayKind
-from kvshrink.codec.frame import FIXED_SIZE, GZIP, STORED, ZSTD, pack_header, parse_header
+from kvshrink.codec.frame import FIXED_SIZE, GZIP, PACKED, STORED, ZSTD, pack_header, parse_header
 from kvshrink.errors import CorruptDataError
 
 
@@ -114,7 +114,7 @@ def test_not_bytes_like():
 
 
 def test_future_and_zero_version(frame):
-    for version, match in ((2, "newer"), (255, "newer"), (0, "version 0")):
+    for version, match in ((3, "newer"), (255, "newer"), (0, "version 0"), (2, "must be format version 1")):
         with pytest.raises(CodecError, match=match):
             decode(reseal(frame, 4, bytes([version])))
 
@@ -217,7 +217,9 @@ def test_gzip_bomb_and_members():
 def test_codings_must_match_the_method():
     data = bytes(range(256)) * 4
     for method, coding, payload in (("qat", ZSTD, zstandard.compress(data)), ("zstd", GZIP, gzip.compress(data)),
-                                    ("raw", ZSTD, zstandard.compress(data)), ("zstd", 7, data)):
+                                    ("raw", ZSTD, zstandard.compress(data)), ("zstd", 7, data),
+                                    ("zstd", PACKED, b"\x08" + data), ("fast", ZSTD, zstandard.compress(data)),
+                                    ("fast", GZIP, gzip.compress(data))):
         with pytest.raises(CodecError, match="not allowed"):
             decode(hostile([1024], [payload], [coding], dtype="|u1", method=method))
 
@@ -241,9 +243,9 @@ def test_bounded_fuzz(real_chunks):
     kv = np.ascontiguousarray(real_chunks[1][:, :3, :24])
     rng = np.random.default_rng(20260)
     with Codec(block_size=4096, threads=2) as codec:
-        frames = [codec.encode(kv, method=m, level=0 if m == "raw" else 1) for m in ("zstd", "qat", "raw")]
-        for i in range(600):
-            blob = bytearray(frames[i % 3])
+        frames = [codec.encode(kv, method=m, level=0 if m == "raw" else 1) for m in ("zstd", "qat", "raw", "fast")]
+        for i in range(800):
+            blob = bytearray(frames[i % 4])
             action = rng.integers(5)
             pos = int(rng.integers(len(blob)))
             if action == 0:

@@ -18,7 +18,7 @@ def random_bytes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("method", ["zstd", "qat", "raw"])
+@pytest.mark.parametrize("method", ["zstd", "qat", "raw", "fast"])
 def test_real_kv_roundtrip(real_chunks, method):
     for chunk in real_chunks:
         check_roundtrip(chunk, method=method, level=0 if method == "raw" else 1)
@@ -36,6 +36,7 @@ def test_real_kv_ratio(real_chunks):
     for chunk in real_chunks:
         assert chunk.nbytes / len(encode(chunk)) >= 1.45
         assert chunk.nbytes / len(encode(chunk, method="qat")) >= 1.35
+        assert chunk.nbytes / len(encode(chunk, method="fast")) >= 1.33
 
 
 @pytest.mark.parametrize("dtype", NUMPY_DTYPES)

@@ -14,7 +14,7 @@ from kvshrink.codec.blocks import run_blocks
 
 
 def test_multithreaded_encode_equals_single_threaded(real_chunks):
-    for method in ("zstd", "qat"):
+    for method in ("zstd", "qat", "fast"):
         with Codec(method=method, threads=1, block_size=128 << 10) as one, \
                 Codec(method=method, threads=2, block_size=128 << 10) as two:
             for chunk in real_chunks[:2]:

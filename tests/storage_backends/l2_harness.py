@@ -19,10 +19,13 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 from kvshrink.store.dram import SHM_DIR  # noqa: F401  (the test modules import it from here)
 
 
-def dram_ssd_store(shm_name: str, ssd_path: Path, dram: str = "64MiB", ssd: str = "1GiB") -> dict:
-    """A DRAM (raw) + SSD (compressed, written back) store config, as a mapping."""
-    return {"tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name},
-                      {"kind": "ssd", "path": str(ssd_path), "capacity": ssd, "write_back": True}]}
+def dram_ssd_store(shm_name: str, ssd_path: Path, dram: str = "64MiB", ssd: str = "1GiB",
+                   codec: str | None = None) -> dict:
+    """A DRAM (raw) + SSD (compressed, written back) store config, as a mapping; ``codec`` (raw,
+    fast, dense) sets both tiers' codec instead."""
+    chosen = {} if codec is None else {"codec": codec}
+    return {"tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name, **chosen},
+                      {"kind": "ssd", "path": str(ssd_path), "capacity": ssd, "write_back": True, **chosen}]}
 
 
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"

@@ -16,15 +16,21 @@ from l2_harness import SHM_DIR, build_from_json, dram_ssd_store, plugin_json
 from kvshrink.storage_backends.mp_l2_adapter import KVShrinkL2Adapter
 
 class TestKVShrinkAdapterContract(L2AdapterContract):
-    @pytest.fixture
-    def make_adapter(self, tmp_path: Path):
+    """Our adapter over DRAM + SSD tiers: as the harness configures them (raw DRAM, dense SSD), and
+    with both tiers on each codec a tier can be configured with."""
+
+    @pytest.fixture(params=[None, "raw", "fast", "dense"])
+    def make_adapter(self, tmp_path: Path, request: pytest.FixtureRequest):
         made, shm_names = [], []
 
         def make():
             shm = f"kvshrink-sbtest-{uuid.uuid4().hex[:12]}"
             shm_names.append(shm)
-            adapter = build_from_json(plugin_json({"store": dram_ssd_store(shm, tmp_path / f"ssd-{len(made)}")}))
+            store = dram_ssd_store(shm, tmp_path / f"ssd-{len(made)}", codec=request.param)
+            adapter = build_from_json(plugin_json({"store": store}))
             assert isinstance(adapter, KVShrinkL2Adapter)
+            assert [t.codec for t in adapter._config.store_config.tiers] == (
+                ["raw", "dense"] if request.param is None else [request.param] * 2)
             made.append(adapter)
             return adapter
 

@@ -55,6 +55,13 @@ def test_defaults_and_sizes():
     ({"tiers": [{"kind": "dram", "capacity": 10}, {"kind": "dram", "capacity": 10}]}, "tiers[1].name"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "method": "lzma"}]}, "tiers[0].method"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "method": "raw"}]}, "tiers[0].method"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "method": "fast"}]}, "tiers[0].method"),  # codec: fast says it
+    ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "lz4"}]}, "tiers[0].codec"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "codec": True}]}, "tiers[0].codec"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "fast", "method": "zstd"}]}, "tiers[0].method"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "raw", "compressed": True}]}, "tiers[0].compressed"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "dense", "compressed": False}]}, "tiers[0].compressed"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "dense", "level": 30}]}, "tiers[0].level"),
     ({"tiers": [{"kind": "redis", "url": "http://x"}]}, "tiers[0].url"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "timeout_s": 0}]}, "tiers[0].timeout_s"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "retries": -1}]}, "tiers[0].retries"),
@@ -171,6 +178,30 @@ def test_config_accepts_exactly_the_levels_the_codec_encodes_with(tmp_path):
             except ConfigError:
                 loads = False
             assert loads == encodes, (method, level)
+
+
+@pytest.mark.parametrize(("tier", "codec", "method"), [
+    ({}, "raw", "zstd"), ({"compressed": True}, "dense", "zstd"), ({"codec": "raw"}, "raw", "zstd"),
+    ({"codec": "fast"}, "fast", "fast"), ({"codec": "dense"}, "dense", "zstd"),
+    ({"codec": "dense", "method": "qat", "level": 6}, "dense", "qat"), ({"codec": "fast", "compressed": True}, "fast", "fast"),
+])
+def test_a_tiers_codec_is_raw_fast_or_dense(tier, codec, method):
+    config = StoreConfig.load(base(**tier)).tiers[0]
+    assert (config.codec, config.compressed, config.method) == (codec, codec != "raw", method)
+
+
+@pytest.mark.parametrize("codec", ["raw", "fast", "dense"])
+def test_each_tier_codec_stores_frames_of_its_method_and_reads_them_back(tmp_path, small_chunks, codec):
+    from kvshrink.store.tiered import TieredStore
+
+    config = {"tiers": [{"kind": "ssd", "capacity": "64MiB", "path": str(tmp_path / "ssd"), "codec": codec,
+                         "fsync": False}]}
+    with TieredStore.from_config(config) as store:
+        for i, chunk in enumerate(small_chunks):
+            assert store.put(f"k{i}".encode(), chunk).result(timeout=60) is True
+        for i, chunk in enumerate(small_chunks):
+            assert np.array_equal(store.get(f"k{i}".encode()), chunk)
+            assert store.header(f"k{i}".encode()).method == {"raw": "raw", "fast": "fast", "dense": "zstd"}[codec]
 
 
 @pytest.mark.parametrize(("method", "level"), [("zstd", 19), ("qat", 9), ("qat", 1)])

@@ -1,16 +1,18 @@
 """Write the stored example frames that pin the on-disk format (run by hand, then commit the files).
 
-    python tests/codec/frames/make_frames.py
+    python tests/codec/frames/make_frames.py            # writes only the examples not stored yet
+    python tests/codec/frames/make_frames.py --rewrite  # every example (never for a released version)
 
 Each ``NAME.kvs`` is a frame; ``NAME.npy`` holds the array it must decode to (torch frames: the raw
-bits as the unsigned dtype of the same width); ``manifest.json`` the header fields. Existing frames
-must never be rewritten for a released format version: add new ones instead, so that a reader
-change that breaks old frames fails ``test_codec_frames.py``.
+bits as the unsigned dtype of the same width); ``manifest.json`` the header fields, read back from
+the stored frames. Existing frames must never be rewritten for a released format version: add new
+ones instead, so that a reader change that breaks old frames fails ``test_codec_frames.py``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,14 @@ def examples() -> dict[str, tuple[object, dict]]:
         "scalar_f64": (np.array(-1.5e-300), {"method": "zstd"}),
         "empty_f16": (np.empty((0, 5), dtype=np.float16), {"method": "zstd"}),
         "c16_small": (np.exp(1j * np.linspace(0, 6, 257)), {"method": "zstd", "block_size": 1024}),
+        # format version 2: the fast method's packed streams (fused 2-byte path, and the per-stream path)
+        "kv_bf16_fast": (kv, {"method": "fast", "block_size": 4096}),
+        "kv_f32_fast": (_bf16_to_f32(kv[:, :1]), {"method": "fast", "block_size": 8192}),
     }
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def raw_bits(x: object) -> np.ndarray:
@@ -48,16 +57,17 @@ def raw_bits(x: object) -> np.ndarray:
     return np.asarray(x)
 
 
-def main() -> None:
+def main(rewrite: bool = False) -> None:
     manifest = {"format_version": FORMAT_VERSION, "frames": {}}
     for name, (x, settings) in examples().items():
-        settings = dict(settings)
-        method, level = settings.pop("method"), settings.pop("level", 1)
-        with Codec(method=method, level=level, threads=1, **settings) as codec:
-            blob = codec.encode(x)
-        (HERE / f"{name}.kvs").write_bytes(blob)
-        np.save(HERE / f"{name}.npy", raw_bits(x))
-        h = read_header(blob)
+        path = HERE / f"{name}.kvs"
+        if rewrite or not path.exists():
+            settings = dict(settings)
+            method, level = settings.pop("method"), settings.pop("level", 1)
+            with Codec(method=method, level=level, threads=1, **settings) as codec:
+                path.write_bytes(codec.encode(x))
+            np.save(HERE / f"{name}.npy", raw_bits(x))
+        h = read_header(path.read_bytes())
         manifest["frames"][name] = {"container": h.container, "dtype": h.dtype, "shape": list(h.shape),
                                     "method": h.method, "transform": h.transform, "nblocks": h.nblocks,
                                     "raw_size": h.raw_size, "frame_size": h.frame_size}
@@ -65,4 +75,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(rewrite="--rewrite" in sys.argv[1:])

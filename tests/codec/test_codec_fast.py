@@ -1,0 +1,236 @@
+"""The ``fast`` method: packed exponent bytes (format version 2), bit-exact, hostile-proof, pinned.
+
+Speed is measured by codec-bench, not here; these tests check what must hold on any machine: the
+bytes, the ratio on real KV, the frame layout, the numpy fallback and CodecError on bad frames.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from codec_harness import check_roundtrip
+
+from kvshrink.codec import Codec, CodecError, decode, encode, frame, packed, read_header
+from kvshrink.codec.dtypes import TORCH_DTYPE_WIDTHS, ArrayKind
+from kvshrink.codec.frame import PACKED, STORED, pack_header, parse_header
+
+NUMPY_DTYPES = ["bool", "int8", "uint8", "<u2", "<f2", "<f4", "<i8", "<f8", "<c8", "<c16", ">u2", ">f4"]
+
+
+@pytest.fixture()
+def fast_blocks() -> Codec:
+    with Codec(method="fast", block_size=4096, threads=2) as codec:
+        yield codec
+
+
+def rebuild(blob: bytes, block: int, stream: int, payload: bytes) -> bytes:
+    """``blob`` with one stream's payload replaced, header (sizes, checksum) rewritten to match."""
+    h, table = parse_header(memoryview(blob))
+    kind = ArrayKind(h.container, h.dtype, h.shape, h.itemsize)
+    payloads = [[bytes(blob[o:o + s]) for o, s in zip(offs, sizes)]
+                for offs, sizes in zip(table.offsets.tolist(), table.sizes.tolist())]
+    payloads[block][stream] = payload
+    header = pack_header(kind, h.method, h.transform, h.streams_per_block, h.block_elems, table.checksums.tolist(),
+                         table.codings.tolist(), [[len(p) for p in row] for row in payloads])
+    return header + b"".join(p for row in payloads for p in row)
+
+
+def test_real_kv_ratio_and_fused_layout(real_chunks):
+    for chunk in real_chunks:
+        blob = encode(chunk, method="fast")
+        header, table = parse_header(memoryview(blob))
+        assert (header.method, header.format_version, header.transform) == ("fast", 2, "rotl1")
+        assert chunk.nbytes / len(blob) >= 1.33
+        assert table.codings.tolist() == [[PACKED, STORED]] * header.nblocks  # exponents packed, mantissas stored
+        assert decode(blob).tobytes() == chunk.tobytes()
+
+
+def test_real_kv_as_torch_and_float_widths(real_chunks):
+    kv = np.ascontiguousarray(real_chunks[1][:, :2])
+    bf16 = torch.from_numpy(kv).view(torch.bfloat16)
+    for x in (bf16, bf16.float(), bf16.half(), bf16.float().numpy(), bf16.half().numpy()):
+        check_roundtrip(x, method="fast")
+    assert read_header(encode(bf16.float(), method="fast")).ratio > 2.0  # bf16 in fp32: two zero bytes
+
+
+def test_every_dtype_and_odd_size(fast_blocks):
+    for dtype in NUMPY_DTYPES:
+        dt = np.dtype(dtype)
+        for size in (0, 1, 3, 4097, 33333):
+            x = np.random.default_rng(size).integers(0, 256, size * dt.itemsize, dtype=np.uint8).view(dt)
+            check_roundtrip(x, codec=fast_blocks, method="fast")
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_every_torch_dtype(fast_blocks):
+    for name, width in sorted(TORCH_DTYPE_WIDTHS.items()):
+        raw = torch.from_numpy(np.random.default_rng(width).integers(0, 256, (2, 513, width), dtype=np.uint8))
+        check_roundtrip(raw.view(getattr(torch, name)).reshape(2, 513), codec=fast_blocks, method="fast")
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 5), (1,), (1, 1, 1, 1), (7, 11, 13), (4097,)])
+def test_shapes(shape):
+    x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) * np.float32(0.37)
+    check_roundtrip(x, method="fast")
+    check_roundtrip(torch.from_numpy(np.array(x)).to(torch.bfloat16), method="fast")
+
+
+def test_constant_and_random_bytes(fast_blocks):
+    for x in (np.zeros(100_000, np.uint16), np.full(50_001, 7, np.int64), np.full(3000, -1.5, np.float32)):
+        assert len(check_roundtrip(x, codec=fast_blocks, method="fast")) < x.nbytes / 10  # width 0: no codes
+    noise = np.random.default_rng(1).integers(0, 1 << 16, 60_000, dtype=np.uint16)
+    blob = check_roundtrip(noise, codec=fast_blocks, method="fast")
+    assert len(blob) < noise.nbytes * 1.02  # incompressible: stored, a little framing
+    assert set(parse_header(memoryview(blob))[1].codings.ravel().tolist()) == {STORED}
+
+
+def test_blocks_whose_exponents_all_escape():
+    """The sampled runs see one exponent, the rest of the block another: the width chosen from the
+    sample fits almost nothing, so nearly every byte is an exception, and still round-trips."""
+    n = 1 << 16
+    x = np.full(n, 0x4000, np.uint16)  # rotl1 high byte 0x80
+    step = max(packed.SAMPLE_RUN, n // packed.SAMPLE_RUNS)
+    for start in range(0, n, step):
+        x[start:start + packed.SAMPLE_RUN] = 0x3F80  # the sample sees only 0x7F
+    with Codec(method="fast", threads=1, block_size=x.nbytes, transform="rotl1") as codec:
+        blob = check_roundtrip(x, codec=codec, method="fast")
+    assert parse_header(memoryview(blob))[1].codings[0, 0] == STORED  # packing the exponents would not pay
+    for w in range(packed.MAX_WIDTH + 1):  # forced widths: every byte outside the window escapes
+        stream = np.random.default_rng(w).integers(0, 256, 5000, dtype=np.uint8)
+        payload = packed._encode(stream, np.empty(0, np.uint8), False, w, 0, 1 << 30)
+        out = np.empty_like(stream)
+        packed.decode_stream(memoryview(payload.tobytes()), out)
+        assert out.tobytes() == stream.tobytes()
+
+
+def test_kernels_match_numpy_reference(monkeypatch):
+    """Same payload bytes from the numba kernels and the numpy reference, for every width."""
+    if packed._jit() is None:
+        pytest.skip("numba not installed: only the reference runs")
+    assert packed._jit().CHUNK == packed.CHUNK
+    rng = np.random.default_rng(7)
+    streams = [rng.integers(100, 110, 9000).astype(np.uint8), rng.integers(0, 256, 4096).astype(np.uint8),
+               np.full(63, 3, np.uint8), rng.normal(120, 3, 8193).astype(np.uint8)]
+    for stream in streams:
+        for w in range(packed.MAX_WIDTH + 1):
+            base = int(stream[0]) - 1
+            words = (stream.astype(np.uint16) << 8) | rng.integers(0, 256, stream.size).astype(np.uint16)
+            jit = [packed._encode(stream, np.empty(0, np.uint8), False, w, base, 1 << 30)]
+            low_jit = np.empty(stream.size, np.uint8)
+            jit.append(packed._encode(words, low_jit, False, w, base, 1 << 30))
+            with monkeypatch.context() as m:
+                m.setattr(packed, "_jit", lambda: None)
+                ref = [packed._encode(stream, np.empty(0, np.uint8), False, w, base, 1 << 30)]
+                low_ref = np.empty(stream.size, np.uint8)
+                ref.append(packed._encode(words, low_ref, False, w, base, 1 << 30))
+                back = np.empty_like(words)
+                packed.decode_words(memoryview(jit[1].tobytes()), low_jit, back, False)
+                assert back.tobytes() == words.tobytes()
+            assert [a.tobytes() for a in jit] == [b.tobytes() for b in ref], w
+            assert low_jit.tobytes() == low_ref.tobytes()
+
+
+def test_without_numba_the_same_frames(monkeypatch, real_chunks):
+    kv = np.ascontiguousarray(real_chunks[0][:, :1])
+    with Codec(method="fast", threads=1, block_size=64 << 10) as codec:
+        fast = codec.encode(kv)
+        monkeypatch.setattr(packed, "_jit", lambda: None)
+        assert codec.encode(kv) == fast
+        assert codec.decode(fast).tobytes() == kv.tobytes()
+
+
+def test_decode_into_out_allocates_no_full_copy(real_chunks):
+    kv = real_chunks[2]
+    blob = encode(kv, method="fast")
+    out = np.empty_like(kv)
+    decode(blob, out=out)  # warm: kernels compiled, pools filled
+    tracemalloc.start()
+    try:
+        decode(blob, out=out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.tobytes() == kv.tobytes()
+    assert peak < kv.nbytes // 20
+
+
+def test_older_readers_say_newer(monkeypatch, kv_slice):
+    blob = encode(kv_slice, method="fast")
+    monkeypatch.setattr(frame, "FORMAT_VERSION", 1)
+    with pytest.raises(CodecError, match="newer"):
+        decode(blob)
+    monkeypatch.undo()
+    with pytest.raises(CodecError, match="must be format version 2"):
+        decode(blob[:4] + b"\x01" + blob[5:])  # header checksum aside, the version is checked first
+
+
+@pytest.fixture(scope="module")
+def fast_frame(real_chunks) -> bytes:
+    with Codec(method="fast", block_size=2048, threads=1) as codec:
+        return codec.encode(np.ascontiguousarray(real_chunks[0][:, :2, :16]))
+
+
+@pytest.mark.parametrize("payload,match", [
+    (b"", "empty compressed stream"), (b"\x04\x00\x00", "shorter than"), (b"\x08\x00\x00\x00" + bytes(2000), "invalid"),
+    (b"\x04\x00\x01\x00" + bytes(1024), "invalid"), (b"\x04\x00\x00\x00" + bytes(100), "does not fit"),
+    (b"\x01\x00\x00\x00" + bytes(128 + 1025), "does not fit"), (b"\x00\x00\x00\x00\x07", "does not fit"),
+    (b"\x04\x00\x00\x00" + b"\xff" * 512 + bytes(512), "more escape codes"),
+    (b"\x04\x00\x00\x00" + bytes(1024) + b"\x01\x02", "more exceptions"),
+    (b"\x00\x7f\x00\x00", "checksum"),
+])
+def test_hostile_packed_streams(fast_frame, payload, match):
+    """Block 0 holds 1024 elements: a width-4 stream needs 512 bytes of planes."""
+    with pytest.raises(CodecError, match=match):
+        decode(rebuild(fast_frame, 0, 0, payload))
+
+
+def test_hostile_generic_path_and_stored_size(real_chunks):
+    x = (np.ascontiguousarray(real_chunks[0][:, :1, :8]).astype(np.uint32) << 16).view(np.float32)
+    blob = encode(x, method="fast")
+    codings = parse_header(memoryview(blob))[1].codings
+    assert PACKED in codings and codings.shape[1] == 4
+    stream = int(np.nonzero(codings[0] == PACKED)[0][0])
+    for payload in (b"\x09\x00\x00\x00", b"\x02\x00\x00\x00", b"\x03\x05\x00\x00" + bytes(1 << 14)):
+        with pytest.raises(CodecError):
+            decode(rebuild(blob, 0, stream, payload))
+    with pytest.raises(CodecError, match="stored stream"):
+        decode(rebuild(encode(real_chunks[0][:, :1, :8], method="fast"), 0, 1, b"\x00" * 7))
+
+
+def test_truncations_and_byte_flips(real_chunks):
+    with Codec(method="fast", block_size=2048, threads=1) as codec:  # blocks of 1024 and 488 elements
+        small = codec.encode(np.ascontiguousarray(real_chunks[3][:, :1, :4, :189]))
+    original = decode(small)
+    for cut in range(len(small)):
+        with pytest.raises(CodecError):
+            decode(small[:cut])
+    header_size = read_header(small).header_size
+    for i in range(len(small)):
+        damaged = bytearray(small)
+        damaged[i] ^= 0x5A
+        try:
+            got = decode(damaged)
+        except CodecError:
+            continue
+        assert got.tobytes() == original.tobytes() and i >= header_size  # only padding bits are free
+
+
+def test_bounded_fuzz_generic_path(real_chunks):
+    x = (np.ascontiguousarray(real_chunks[1][:, :1, :24]).astype(np.uint32) << 16).view(np.float32)
+    rng = np.random.default_rng(27)
+    with Codec(method="fast", block_size=4096, threads=2) as codec:
+        blob0 = codec.encode(x)
+        for _ in range(300):
+            blob = bytearray(blob0)
+            pos, n = int(rng.integers(len(blob))), int(rng.integers(1, 16))
+            blob[pos:pos + n] = rng.integers(0, 256, len(blob[pos:pos + n]), dtype=np.uint8).tobytes()
+            if rng.integers(4) == 0:
+                blob = blob[:int(rng.integers(len(blob)))]
+            try:
+                got = codec.decode(bytes(blob))
+            except CodecError:
+                continue
+            assert got.tobytes() == x.tobytes()
