@@ -13,7 +13,7 @@ pick the tier that serves: "dram" = stock ``fs`` on ``/dev/shm`` (tmpfs) vs our 
 for every chunk in its DRAM tier (shm arena); "ssd" = stock ``fs`` on a local directory vs our
 store with a DRAM tier of one chunk, so every store passes through DRAM on to the SSD tier
 (exclusive tiers: the chunk the next store evicts is demoted there, and ``persist_on_close`` moves
-the last one) and loads come from the SSD tier (ours fsyncs, stock does not; SSD reads right after
+the last one) and loads come from the SSD tier (neither fsyncs per chunk as shipped; SSD reads right after
 writes come from the page cache on both sides). "threads" = concurrent submits (``in_flight``) for
 both sides, and our adapter's worker threads. Our side records the store file it used.
 """

@@ -18,13 +18,15 @@ parameters before the server starts.
 
 Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
 
-* ``submit_*`` return a task id at once; the work (staging copy, index lookups, reads and
+* ``submit_*`` return a task id at once; the work (index lookups, compression, reads and
   decompression) runs on :class:`~kvshrink.storage_backends.task_channels.L2TaskRunner` threads
   and the store's own workers. Each result is posted once on its own eventfd.
-* Store: every chunk is staged by the store before the task's future chain continues; the task
-  completes when each chunk is durable on the store's ``put`` tiers (so LMCache releases its L1
-  read lock only then). Keys already stored are skipped. Any chunk refused or dropped fails the
-  task (LMCache reports store errors per task); the chunks that did land are still reported.
+* Store: the task completes when each chunk is durable on the store's ``put`` tiers, and LMCache
+  holds each object's L1 read lock until then, so the store encodes the chunks straight from
+  LMCache's buffers (``put(..., lend=True)``: no staging copy; a non-contiguous one is staged).
+  A task that fails midway reports only once the puts it started are done with those buffers.
+  Keys already stored are skipped. Any chunk refused or dropped fails the task (LMCache reports
+  store errors per task); the chunks that did land are still reported.
 * Lookup-and-lock pins hits in the store's local tiers until ``submit_unlock``; unlock is a
   counter decrement that cannot fail.
 * Load decodes straight into the caller's L1 buffers; a missing, corrupt or mismatched chunk is a
@@ -203,12 +205,22 @@ class KVShrinkL2Adapter(L2AdapterInterface):
 
         started: list[tuple["ObjectKey", bytes, int, Future]] = []
         present: list[tuple["ObjectKey", bytes, int]] = []
-        for key, obj in zip(keys, objects, strict=True):
-            store_key = encode_object_key(key)
-            if self._store.contains(store_key):
-                present.append((key, store_key, obj.get_size()))  # not rewritten (as LMCache's fs adapter)
-                continue
-            started.append((key, store_key, obj.get_size(), self._store.put(store_key, chunk_tensor(obj))))
+        try:
+            for key, obj in zip(keys, objects, strict=True):
+                store_key = encode_object_key(key)
+                if self._store.contains(store_key):
+                    present.append((key, store_key, obj.get_size()))  # not rewritten (as LMCache's fs adapter)
+                    continue
+                # lent, not staged: LMCache holds obj's read lock until this task reports (see the docstring)
+                started.append((key, store_key, obj.get_size(),
+                                self._store.put(store_key, chunk_tensor(obj), lend=True)))
+        except BaseException as exc:
+            # the task fails, but not before the puts already reading LMCache's buffers are done:
+            # LMCache may reuse them once it hears the result
+            def fail(_: Any, error: BaseException = exc) -> "L2StoreResult":  # bound now: exc is unset after except
+                raise error
+
+            return _then(when_all_done([f for *_, f in started]), fail)
 
         if present and self._reporter is not None:  # held already (an earlier process): no placement notice
             self._reporter.notify([skey for _, skey, _ in present])

@@ -5,6 +5,9 @@ full work queue rejects the descriptor instead of stalling. The same shape here:
 
 * :class:`StagingPool` — a byte budget of reusable staging buffers. ``put`` copies the caller's
   chunk into one (numpy / torch copies release the GIL) and returns; a pool over budget rejects.
+  A caller that keeps its chunk unchanged until the put completes (the LMCache adapter: LMCache
+  holds the L1 object's read lock until the store task reports) lends it instead
+  (:meth:`CopyEngine.borrow`): the workers encode it where it lies, no staging copy.
 * :class:`Lane` — a worker pool behind a non-blocking bounded semaphore. ``try_submit`` either
   queues the job or returns None at once; the caller counts the drop. Nothing ever waits for room.
 
@@ -30,6 +33,7 @@ import numpy as np
 
 from kvshrink.store.config import EngineConfig
 from kvshrink.store.stats import ENGINE_COUNTERS, Counters
+from kvshrink.store.warm_heap import keep_freed_memory
 
 
 class StagingPool:
@@ -137,6 +141,7 @@ class CopyEngine:
             from kvshrink.codec.cpu_budget import budget
 
             budget().configure(config.codec_threads)
+        keep_freed_memory()  # chunk-sized buffers reuse warm pages (see warm_heap)
         self.staging = StagingPool(config.staging_bytes)
         self.puts = Lane("put", config.put_workers, config.put_queue)
         self.background = Lane("background", config.background_workers, config.background_queue)
@@ -161,6 +166,18 @@ class CopyEngine:
             self.staging.release(buf)
             raise
         return staged, buf
+
+    def borrow(self, kv: Any) -> Any | None:
+        """``kv`` itself when the workers can encode it where it lies (a C-contiguous, non-empty
+        CPU numpy array or torch tensor), else None: the caller stages it. No copy, no budget:
+        the caller guarantees ``kv`` stays unchanged until the put's Future completes (LMCache
+        holds its L1 read lock until the store task reports). Raises like :meth:`stage` for a
+        chunk the codec cannot encode."""
+        if not chunk_nbytes(kv):
+            return None
+        if isinstance(kv, np.ndarray):
+            return kv if kv.flags.c_contiguous else None
+        return kv if kv.device.type == "cpu" and kv.is_contiguous() and not kv.requires_grad else None
 
     def stats(self) -> dict[str, int]:
         from kvshrink.codec.cpu_budget import budget

@@ -226,14 +226,14 @@ class DramTier(Tier):
         with self._open_block(key, touch) as block:
             yield None if block is None else self._arena.payload(block)
 
-    def get(self, key: bytes, out: Any = None) -> Any:
+    def get(self, key: bytes, out: Any = None, *, serial: bool = False) -> Any:
         if not self.readonly:
-            return super().get(key, out)
+            return super().get(key, out, serial=serial)
         with self._open_block(key) as block:
             if block is None:
                 self.counters.add("misses")
                 return None
-            chunk = self.decode_frame(key, self._arena.payload(block), out)
+            chunk = self.decode_frame(key, self._arena.payload(block), out, serial=serial)
         if chunk is not None and not self._arena.still_holds(block):
             self.counters.add("hits", -1)
             self.counters.add("misses")

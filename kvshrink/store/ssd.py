@@ -9,10 +9,22 @@ Layout under ``path``::
     tmp/               writes in progress (deleted at open: torn writes never become chunks)
     quarantine/        files that failed verification, moved aside for inspection
 
-A chunk file is ``KVSC | version | key_len | key | codec frame``. Writes go to ``tmp/``, are
-fsync'ed, then renamed into place (and the directory fsync'ed), so a reader sees the old file or
-the new one, never a torn one. Reads check the stored key and the frame checksum; a mismatch
-moves the file to ``quarantine/`` and is a miss.
+A chunk file is ``KVSC | version | key_len | key | codec frame``. Writes go to ``tmp/`` and are
+renamed into place, so a reader sees the old file or the new one, never a torn one. Reads check
+the stored key and the frame checksum; a mismatch moves the file to ``quarantine/`` and is a miss.
+
+**Durability, priced like a cache** (``fsync``, default ``false`` in the shipped config). What a
+put must survive is a restart of the cache, not a power cut at the chunk's moment: a lost chunk
+costs one prefill, an fsync per chunk (file and directory, ~2 syncs per put) costs the SSD's
+write bandwidth all the time. So with ``fsync: false`` a put is durable once its file is renamed
+into place: it survives the process (``kill -9`` included: the page cache outlives it), and a
+clean close syncs the file system (``syncfs``) before it writes ``CLEAN``, so a reboot after a
+clean close loses nothing either. After an OS crash or power cut the chunks written since the
+last sync may be gone or torn: there is no ``CLEAN`` marker then, so the open rescans (below),
+an index entry whose file is gone is dropped, and a torn file fails its header or frame checksum
+at read and is quarantined: a miss, never wrong bytes. ``fsync: true`` fsyncs each file before
+its rename and the directory after it, for callers that want every put to outlive a power cut
+(and is what a config that leaves the key out gets).
 
 **One owner.** The owning process holds an exclusive ``flock`` on the directory itself (an
 ``O_RDONLY`` descriptor of ``path``) and one on ``LOCK``, so a second process (or a second tier in
@@ -40,6 +52,7 @@ the file system's timestamps after the close can go unnoticed (a damaged index n
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import itertools
@@ -95,6 +108,7 @@ def parse_prefix(data: Buffer) -> bytes | None:
 
 class SsdTier(Tier):
     kind = "ssd"
+    device_reads = True
 
     def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
         super().__init__(config, is_pinned)
@@ -519,10 +533,12 @@ class SsdTier(Tier):
                 if self._index.records:  # the next open reads one snapshot, no records
                     self._compact_locked()
                 self._index.sync()
+                if not self._fsync:  # the chunk files too, before CLEAN vouches for them
+                    _sync_filesystem(self._lock_fds[-1])
                 if not self._index_incomplete:  # else the next open rescans, as after a crash
                     self._write_clean_marker()
             except OSError as exc:
-                log.warning("tier %s: index not compacted at close: %s", self.name, exc)
+                log.warning("tier %s: index or chunks not synced at close (%s); the next open rescans", self.name, exc)
             self._index.close()
         self._release_directory()
 
@@ -600,6 +616,19 @@ def _read_note(path: Path) -> str:
         return path.read_text(errors="replace").strip()[:32]
     except OSError:
         return ""
+
+
+def _sync_filesystem(fd: int) -> None:
+    """Flush every dirty page of the file system holding ``fd`` (``syncfs``; ``sync`` where the
+    C library lacks it). OSError when the kernel reports a write-back failure."""
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        os.sync()
+        return
+    if syncfs(ctypes.c_int(fd)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -66,6 +66,23 @@ def check_key(key: object) -> bytes:
     return key
 
 
+_serial_codec: Any = None
+
+
+def decoder(serial: bool) -> Any:
+    """The codec a read decodes with: the process's default (block-parallel within the codec
+    budget), or, when ``serial``, one that uses only the calling thread (same frames, same
+    errors; it still holds a budget token while it works)."""
+    global _serial_codec
+    from kvshrink.codec import Codec, default_codec
+
+    if not serial:
+        return default_codec()
+    if _serial_codec is None:
+        _serial_codec = Codec(threads=1)
+    return _serial_codec
+
+
 def _never_pinned(key: bytes) -> bool:
     return False
 
@@ -75,6 +92,7 @@ class Tier(ABC):
 
     kind: str = ""
     batch_reads = False  # True: fetch_frames() reads many keys in one round trip
+    device_reads = False  # True: a read waits for a device (SSD): reads beside decodes keep the cores busy
 
     def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
         self.config = config
@@ -143,20 +161,24 @@ class Tier(ABC):
         return True
 
     # -- derived behaviour ------------------------------------------------------------------------
-    def get(self, key: bytes, out: Any = None) -> Any:
-        """The chunk decoded (into ``out`` when given), or None on a miss."""
+    def get(self, key: bytes, out: Any = None, *, serial: bool = False) -> Any:
+        """The chunk decoded (into ``out`` when given), or None on a miss; ``serial``: see
+        :meth:`decode_frame`."""
         with self._open_frame(key) as frame:
             if frame is None:
                 self.counters.add("misses")
                 return None
-            return self.decode_frame(key, frame, out)
+            return self.decode_frame(key, frame, out, serial=serial)
 
-    def decode_frame(self, key: bytes, frame: Buffer, out: Any = None) -> Any:
-        """Decode a frame this tier returned; a corrupt one is quarantined and becomes a miss."""
-        from kvshrink.codec import CodecError, decode
+    def decode_frame(self, key: bytes, frame: Buffer, out: Any = None, *, serial: bool = False) -> Any:
+        """Decode a frame this tier returned; a corrupt one is quarantined and becomes a miss.
+        ``serial``: on the calling thread alone (the caller runs other chunks' decodes beside
+        it, so block helpers would only queue for the same cores), else the codec's block
+        parallelism within the process budget."""
+        from kvshrink.codec import CodecError
 
         try:
-            chunk = decode(frame, out=out)
+            chunk = decoder(serial).decode(frame, out)
         except CodecError as exc:
             self.counters.add("misses")
             if self._verified(key):

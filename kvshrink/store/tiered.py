@@ -29,7 +29,8 @@
   ``add_placement_listener`` tells one which keys may have changed tier (written into one, evicted,
   deleted, dropped), to ask ``where`` again; see :mod:`~kvshrink.store.placements`.
 
-Buffers: ``put`` copies the caller's chunk into a staging buffer and never modifies it; reads
+Buffers: ``put`` copies the caller's chunk into a staging buffer (or, with ``lend=True``, reads
+it in place until its Future completes) and never modifies it; reads
 write only into the ``out`` buffers given. Errors: the KVShrinkError family only; reads never
 raise for a missing, corrupt or unreachable chunk (a miss), a put's Future fails with the error
 of the tier that refused it, background failures are counted (``background_errors``) and logged.
@@ -40,11 +41,12 @@ condition is only ever held for bookkeeping, never across a tier call.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -97,6 +99,7 @@ class TieredStore:
         self._pins: Counter[bytes] = Counter()
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future] = {}
+        self._read_lanes_busy = 0  # get_many lanes reserved now (under _lock): see _reserve_lanes
         self._write_locks = [threading.Lock() for _ in config.tiers]
         self.tiers: list[Tier] = []
         try:
@@ -130,13 +133,16 @@ class TieredStore:
         return cls(StoreConfig.load(source))
 
     # -- writes -----------------------------------------------------------------------------------
-    def put(self, key: bytes, kv: Any) -> Future:
+    def put(self, key: bytes, kv: Any, *, lend: bool = False) -> Future:
         """Store ``kv`` (numpy array or torch tensor, left untouched) under ``key``; never waits.
 
         The Future is True once the chunk is durable on the ``put`` tiers and no tier serves an
         older value of ``key`` any more, False when the engine was full and dropped it; it fails
         with a KVShrinkError when a tier refused the write. A put of a key already in flight
-        returns the in-flight Future.
+        returns the in-flight Future. ``kv`` is copied into a staging buffer before ``put``
+        returns, unless ``lend``: then the caller keeps ``kv`` unchanged (and alive) until the
+        Future completes, and the workers encode it where it lies (a chunk they cannot read in
+        place, e.g. non-contiguous, is staged all the same).
         """
         key = check_key(key)
         self._check_open()
@@ -144,14 +150,16 @@ class TieredStore:
             running = self._inflight.get(key)
         if running is not None:
             return running
-        staged = self.engine.stage(kv)
+        lent = self.engine.borrow(kv) if lend else None
+        staged = (lent, None) if lent is not None else self.engine.stage(kv)
         if staged is None:
             self.engine.counters.add("dropped_staging_full")
             return _done(False)
         chunk, buf = staged
         future = self.engine.puts.try_submit(self._store_job, key, chunk, buf)
         if future is None:
-            self.engine.staging.release(buf)
+            if buf is not None:
+                self.engine.staging.release(buf)
             self.engine.counters.add("dropped_queue_full")
             return _done(False)
         self.engine.counters.add("puts")
@@ -176,7 +184,8 @@ class TieredStore:
             self.engine.counters.add("put_errors")
             raise
         finally:
-            self.engine.staging.release(buf)
+            if buf is not None:  # None: a lent chunk, the caller's
+                self.engine.staging.release(buf)
             self._report_dropped(lost)  # before the put's Future completes
         if self._write_back_tiers:
             self._schedule(self._write_back_job, key)
@@ -639,8 +648,15 @@ class TieredStore:
     def get_many(self, keys: Sequence[bytes], outs: Sequence[Any] | None = None) -> list[Any]:
         """Chunks for ``keys`` (None for misses); with ``outs``, decoded into those buffers.
 
-        Chunks on different tiers are read at once (DRAM and SSD on the reader pool, one MGET
-        per batch-reading tier) and decoded in parallel.
+        Local chunks (DRAM, SSD) are read and decoded on a few lanes, the caller's thread among
+        them, each taking the next chunk until none is left: as many lanes as the codec budget
+        has tokens (see :meth:`_reserve_lanes`), each decoding its chunk alone while there are
+        chunks for every lane, so a batch neither hands blocks to helpers nor queues more
+        threads than there are tokens (a single chunk, and the last few when no other batch
+        reads, decode block-parallel; see :meth:`_drain_reads`). Chunks of a batch-reading tier
+        (Redis) are fetched one per key on the reader pool, each decoded as it arrives.
+        Threads: returns only once no lane writes into ``outs`` any more, also when it raises
+        (the first error of any chunk's read, e.g. a buffer of the wrong size).
         """
         keys = [check_key(k) for k in keys]
         outs = list(outs) if outs is not None else [None] * len(keys)
@@ -653,12 +669,25 @@ class TieredStore:
         held = [self._held_locally(k) for k in keys]
         local = [i for i, here in enumerate(held) if here]
         remote = [i for i, here in enumerate(held) if not here]
-        # the caller reads one local chunk itself (a single get never changes threads)
-        pending = [self.engine.readers.submit(self._read_from, i, keys[i], outs[i]) for i in local[1:]]
-        done = list(self._read_remote(keys, outs, remote))
-        if local:
-            done.append(self._read_from(local[0], keys[local[0]], outs[local[0]]))
-        done += [future.result() for future in pending]
+        lanes, crowded = self._reserve_lanes([keys[i] for i in local])
+        # lanes pull local chunks from one counter, the caller's among them (a single get never
+        # changes threads); see _drain_reads for which decodes run alone
+        take = itertools.count().__next__
+        drain = partial(self._drain_reads, take, local, keys, outs, lanes, crowded)
+        pending = []
+        try:
+            for _ in range(lanes - 1):
+                pending.append(self.engine.readers.submit(drain))
+        except RuntimeError:  # the pool shut down (a close racing this read): the caller reads more
+            self._release_lanes(lanes - 1 - len(pending))
+        try:
+            done = list(self._read_remote(keys, outs, remote))
+            if lanes:
+                done += drain()
+        finally:
+            wait(pending)  # no lane writes into the caller's buffers once this returns or raises
+        for future in pending:
+            done += future.result()
         for i, chunk, tier_index in done:
             results[i], found_in[i] = chunk, tier_index
             if tier_index and self.config.promote_on_hit and self._schedule(self._promote_job, tier_index, keys[i]):
@@ -670,6 +699,48 @@ class TieredStore:
         # a chunk held when the read began but read as a miss was quarantined (or its file vanished)
         self._report_dropped([keys[i] for i in local if results[i] is None])
         return results
+
+    def _reserve_lanes(self, keys: list[bytes]) -> tuple[int, bool]:
+        """Threads that read ``keys`` (held locally) at once, the caller included, counted as
+        busy until each lane ends (:meth:`_drain_reads`): as many as the codec budget has
+        tokens, plus one reading ahead when some chunk waits on a device (its read overlaps the
+        decodes), less the lanes other reads run now, at most ``engine.read_workers + 1``.
+        More would only queue for tokens: each chunk's decode would then end by waking a waiting
+        thread, which on a small host costs more than it gains. Also whether other reads held
+        lanes already (``crowded``: then no decode of this batch hands blocks to helpers)."""
+        from kvshrink.codec.cpu_budget import budget
+
+        cap = 1
+        if len(keys) > 1:
+            device = [t for t in self._local if self.tiers[t].device_reads]
+            ahead = 1 if device and any(self.tiers[t].contains(k) for k in keys for t in device) else 0
+            cap = min(budget().limit() + ahead, self.config.engine.read_workers + 1)
+        with self._lock:
+            crowded = self._read_lanes_busy > 0
+            lanes = min(len(keys), max(1, cap - self._read_lanes_busy))
+            self._read_lanes_busy += lanes
+        return lanes, crowded
+
+    def _release_lanes(self, n: int) -> None:
+        with self._lock:
+            self._read_lanes_busy -= n
+
+    def _drain_reads(self, take: Callable[[], int], local: list[int], keys: list[bytes], outs: list[Any],
+                     lanes: int, crowded: bool) -> list[tuple[int, Any, int | None]]:
+        """One of the ``lanes`` read lanes of ``get_many`` (reserved by :meth:`_reserve_lanes`;
+        released here): ``_read_from`` the chunks ``local[take()]`` until none is left (``take``
+        is shared: each chunk is read once). While there are chunks for every lane, or other
+        reads run lanes too (``crowded``), each is decoded alone (serial); else the last few
+        block-parallel, so the tokens of lanes that ran out of chunks help finish them."""
+        done = []
+        try:
+            while (j := take()) < len(local):
+                i = local[j]
+                serial = crowded or len(local) - j >= lanes > 1
+                done.append(self._read_from(i, keys[i], outs[i], serial))
+        finally:
+            self._release_lanes(1)
+        return done
 
     def _held_locally(self, key: bytes) -> bool:
         """Whether a local (non-batch) tier holds ``key``, or it is parked on its way to a remote
@@ -692,9 +763,10 @@ class TieredStore:
                 return found
         return found
 
-    def _read_from(self, i: int, key: bytes, out: Any) -> tuple[int, Any, int | None]:
+    def _read_from(self, i: int, key: bytes, out: Any, serial: bool = False) -> tuple[int, Any, int | None]:
         """Try the tiers in order; the first hit wins. A tier that lacks the key counts a miss.
-        A parked chunk is read from memory (reported as found in no tier: nothing to promote)."""
+        A parked chunk is read from memory (reported as found in no tier: nothing to promote).
+        ``serial``: decode on this thread alone (see :meth:`Tier.decode_frame`)."""
         def look() -> tuple[Any, int | None] | None:
             for index, tier in enumerate(self.tiers):
                 parked = self._ledger.parked_frame(key, index)
@@ -704,7 +776,7 @@ class TieredStore:
                         return chunk, None
                 if index in self._remote and self._ledger.is_stale(index, key):
                     continue
-                chunk = tier.get(key, out)
+                chunk = tier.get(key, out, serial=serial)
                 if chunk is not None:
                     return chunk, index
             return None

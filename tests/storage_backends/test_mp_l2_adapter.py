@@ -276,3 +276,38 @@ def test_lmcache_bench_l2_verifies_our_adapter(tmp_path, shm_name):
     ops = {v["operation"]: v for k, v in metrics.items() if k.startswith("op_")}
     for name in ("Store", "Lookup", "Load"):
         assert ops[name]["total_success"] == ops[name]["total_keys"] > 0, ops[name]
+
+
+# -- stores read LMCache's buffers in place -----------------------------------------------------------
+def test_stores_read_lmcache_buffers_in_place_until_the_task_reports(open_adapter, tmp_path, small_chunks):
+    adapter = open_adapter({"store": SSD_ONLY(tmp_path / "ssd")})
+    driver = L2Driver(adapter)
+    keys = [object_key(i) for i in range(4)]
+    objs = [memory_obj(c) for c in small_chunks[:4]]
+    assert driver.store(keys, objs).is_successful()
+    assert adapter._store.engine.staging._allocated == 0  # lent, never staged
+    for obj in objs:  # LMCache reuses its L1 buffers once the task reported
+        obj.raw_data.zero_()
+    outs = [empty_like_obj(c) for c in small_chunks[:4]]
+    assert driver.load(keys, outs) == [0, 1, 2, 3]
+    assert all((contents(o) == c).all() for o, c in zip(outs, small_chunks))
+
+
+class _NoTensorView:
+    """A MemoryObj without a tensor view (a layout we cannot read): chunk_tensor refuses it."""
+
+    tensor = raw_tensor = None
+
+    def get_size(self) -> int:
+        return 4096
+
+
+def test_a_store_task_failing_midway_reports_only_after_its_started_puts(open_adapter, tmp_path, small_chunks):
+    adapter = open_adapter({"store": SSD_ONLY(tmp_path / "ssd")})
+    keys = [object_key(0), object_key(1)]
+    result = L2Driver(adapter).store(keys, [memory_obj(small_chunks[0]), _NoTensorView()])
+    assert not result.is_successful()
+    # the first chunk was being read from LMCache's buffer: done before the failure was posted
+    store_key = adapter._store.keys()[0] if adapter._store.keys() else None
+    assert store_key is not None and not adapter._store.in_flight(store_key)
+    assert adapter.report_status()["boundary_errors"]

@@ -4,7 +4,8 @@ Issue 11: the arena held 15 chunks in 59.6 of 69.2 MB at the end of a replay. Th
 holes a little smaller than any chunk: a write whose least recently used victim leaves a hole a
 few KB too small evicts a neighbour too, and the leftover (~one chunk minus the frame) fits no
 later frame of near-equal size, so it travels with the eviction point. This pins the figure the
-allocator reaches today (measured: steady-state mean 0.85, low 0.776; pinned at 0.82 / 0.75) and the LRU order; the
+allocator reaches today (measured: steady-state mean 0.85, low 0.776 on an AVX2 EPYC; mean 0.879, low 0.747 on an
+AVX-512 EPYC, whose model computes slightly different KV, hence other frame sizes; pinned at 0.82 / 0.74) and the LRU order; the
 issue's target (>= 0.97) is not met yet (see the report of issue 11).
 """
 
@@ -59,4 +60,4 @@ def test_fill_and_lru_with_real_compressed_chunks(tier, chunks):
         assert sorted(recent) == sorted(tier.keys())
         utils.append(tier.usage()[0] / tier.capacity_bytes)
     steady = utils[len(utils) // 3:]
-    assert np.mean(steady) >= 0.82 and min(steady) >= 0.75, (np.mean(steady), min(steady))
+    assert np.mean(steady) >= 0.82 and min(steady) >= 0.74, (np.mean(steady), min(steady))
