@@ -46,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 HIT_RATE_TARGET = 0.80
-HELD_PER_GB_TARGET = 1.45
+HELD_PER_GB_TARGET = 1.40  # with the shipped default: fast DRAM (1.33x) in front of dense SSD (1.48x)
 
 
 @dataclass
@@ -136,20 +136,44 @@ def codec(ctx: Context) -> Section:
                         budget={"threads": ctx.threads, "repeats": preset["repeats"]})
     section = Section(figures={"codecs": [r.summary() for r in results], "threads": ctx.threads,
                                "bounds": [codec_bench.entropy_bounds(x) for _, x in samples[:2]]})
-    for threads in sorted({1, ctx.threads}):
-        ours = by[("kvshrink zstd", threads)]
-        s = by[("stock LMCache (raw bytes)", 1)]
-        sides = [SideRun(STOCK, workload, _codec_figures(s), policy=NO_CACHE),
-                 SideRun(OURS, workload, _codec_figures(ours), policy=NO_CACHE)]
-        metrics = [Metric("compress", "GB/s"), Metric("decompress", "GB/s")]
-        if threads == 1:
-            metrics.insert(0, Metric("ratio", "x"))
-        section.comparisons += compare("codec", f"{threads} thread{'s' * (threads > 1)}", *sides, metrics)
-    ours1 = by[("kvshrink zstd", 1)]
-    section.target("ratio >= 1.45 on every real-KV sample", min(ours1.ratios) >= 1.45,
-                   f"min {min(ours1.ratios):.3f}, overall {ours1.ratio:.3f}")
-    section.notes.append("stock LMCache stores KV raw (ratio 1.00); its 'codec' speed is a memory copy")
+    s = by[("stock LMCache (raw bytes)", 1)]
+    for mode, name in CODEC_MODES.items():
+        for threads in sorted({1, ctx.threads}):
+            sides = [SideRun(STOCK, workload, _codec_figures(s), policy=NO_CACHE),
+                     SideRun(OURS, workload, _codec_figures(by[(name, threads)]), policy=NO_CACHE)]
+            metrics = [Metric("compress", "GB/s"), Metric("decompress", "GB/s")]
+            if threads == 1:
+                metrics.insert(0, Metric("ratio", "x"))
+            section.comparisons += compare("codec", f"{mode}, {threads} thread{'s' * (threads > 1)}", *sides, metrics)
+        _codec_targets(section, mode, by[(name, 1)], by[(name, ctx.threads)] if ctx.threads > 1 else None)
+    copy = by.get(("plain copy (numpy)", 1))
+    if copy is not None:
+        section.figures["plain_copy_gbps"] = {"into_new": copy.compress_gbps, "into_buffer": copy.decompress_gbps}
+        section.notes.append(f"a plain copy ran at {copy.compress_gbps:.1f} GB/s (new array) and "
+                             f"{copy.decompress_gbps:.1f} GB/s (into a buffer) in the same run: the memory-speed limit")
+    section.notes.append("stock LMCache stores KV raw (ratio 1.00); its 'codec' speed is a memory copy; fast decodes "
+                         "into a preallocated buffer (what a cache load does), dense returns a new array")
     return section
+
+
+# mode -> the codec_bench contender that runs it; targets per mode: (ratio on every sample, decode
+# GB/s, encode GB/s on one core); threads: N threads >= CODEC_SCALING_TARGET x one thread, both ways
+CODEC_MODES = {"fast": "kvshrink fast", "dense": "kvshrink zstd"}
+CODEC_TARGETS = {"fast": (1.33, 6.0, 3.0), "dense": (1.48, 3.5, 1.5)}
+CODEC_SCALING_TARGET = 1.8
+
+
+def _codec_targets(section: Section, mode: str, one: Any, many: Any) -> None:
+    ratio, decode, encode = CODEC_TARGETS[mode]
+    section.target(f"{mode}: ratio >= {ratio} on every real-KV sample", min(one.ratios) >= ratio,
+                   f"min {min(one.ratios):.3f}, overall {one.ratio:.3f}")
+    section.target(f"{mode}: one core decodes >= {decode} GB/s and encodes >= {encode} GB/s",
+                   one.decompress_gbps >= decode and one.compress_gbps >= encode,
+                   f"decode {one.decompress_gbps:.2f}, encode {one.compress_gbps:.2f} GB/s")
+    if many is not None:
+        gains = (many.compress_gbps / one.compress_gbps, many.decompress_gbps / one.decompress_gbps)
+        section.target(f"{mode}: {many.threads} threads >= {CODEC_SCALING_TARGET}x one thread, encode and decode",
+                       min(gains) >= CODEC_SCALING_TARGET, f"encode {gains[0]:.2f}x, decode {gains[1]:.2f}x")
 
 
 def _codec_figures(result: Any) -> dict[str, float]:
@@ -261,6 +285,7 @@ def throughput(ctx: Context) -> Section:
             ours_runs.append(runs[OURS])
             section.figures["cases"].append({"case": case, STOCK: runs[STOCK].figures, OURS: runs[OURS].figures})
     section.record_store(ours_runs)
+    _throughput_targets(section)
     ssd = [c for c in section.figures["cases"] if c["case"].startswith("ssd")]
     if ssd:
         ratio = ssd[0][OURS]["bytes_per_token_on_disk"] / ssd[0][STOCK]["bytes_per_token_on_disk"]
@@ -276,9 +301,33 @@ def throughput(ctx: Context) -> Section:
     section.notes.append("stock = LMCache's fs adapter (on /dev/shm for dram, a local directory for ssd); ours = the "
                          "store config as shipped, sized so that one tier serves: dram with room for every chunk in "
                          "DRAM, ssd with a DRAM tier of one chunk, so every store passes through DRAM to the SSD tier "
-                         "and loads come from it (our SSD tier fsyncs every chunk, stock fs does not); SSD loads "
+                         "and loads come from it (the shipped SSD tier does not fsync per chunk, nor does stock fs); SSD loads "
                          "follow the stores, so both read from the page cache")
     return section
+
+
+# ours / stock at its best through the MP L2 interface, shipped default store: (tier, reads) -> (load, store)
+THROUGHPUT_TARGETS = {("dram", "page cache"): (1.0, 0.9), ("ssd", "page cache"): (0.9, 0.9)}
+SLOW_READ_LOAD_TARGET = 1.5  # load where the bytes are the limit: a 500 MB/s device
+
+
+def _throughput_targets(section: Section) -> None:
+    """Load and store GB/s ours / stock on the fast tiers at every thread count, and load at a 500 MB/s device."""
+    for (tier, reads), (load, store) in THROUGHPUT_TARGETS.items():
+        cases = [c for c in section.figures["cases"] if c["case"].split(",")[0] == tier
+                 and (reads == "page cache") == (c["case"].count(",") == 1)]
+        if not cases:
+            continue
+        ratios = {c["case"]: (c[OURS]["load_gbps"] / c[STOCK]["load_gbps"], c[OURS]["store_gbps"] / c[STOCK]["store_gbps"])
+                  for c in cases}
+        section.target(f"{tier} ({reads}): load >= {load}x and store >= {store}x stock at every thread count",
+                       all(lr >= load and sr >= store for lr, sr in ratios.values()),
+                       "; ".join(f"{case}: load {lr:.2f}x, store {sr:.2f}x" for case, (lr, sr) in ratios.items()))
+    slow = [c for c in section.figures["cases"] if c["case"].endswith("500 MB/s device")]
+    for c in slow:
+        ratio = c[OURS]["load_gbps"] / c[STOCK]["load_gbps"]
+        section.target(f"ssd at a 500 MB/s device: load >= {SLOW_READ_LOAD_TARGET}x stock", ratio >= SLOW_READ_LOAD_TARGET,
+                       f"{c['case']}: {ratio:.2f}x")
 
 
 def _device_reads(section: Section, wanted: tuple[str, ...]) -> tuple[list[str], float]:

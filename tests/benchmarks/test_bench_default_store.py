@@ -49,6 +49,7 @@ def test_the_default_is_the_documented_store() -> None:
     config = StoreConfig.load(default_store_path())
     assert [(t.kind, t.compressed, t.put, t.write_back) for t in config.tiers] == [
         ("dram", True, True, False), ("ssd", True, False, False)]  # exclusive: no write-back copy
+    assert [(t.codec, t.method) for t in config.tiers] == [("fast", "fast"), ("dense", "zstd")]
     assert not config.promote_on_hit and config.persist_on_close
     assert default_store_path().parent.name == "configs" and default_store_path().name == "store-default.yaml"
 

@@ -88,7 +88,7 @@ def test_shipped_alternatives_cover_redis_and_qat():
     assert sorted(kinds) == ["serve-cache-dram-ssd-redis.yaml", "serve-cache-qat.yaml"]  # no second default
     assert kinds["serve-cache-dram-ssd-redis.yaml"] == ["dram", "ssd", "redis"]
     qat = load_serve_config(REPO / "configs" / "serve-cache-qat.yaml", check_services=False)
-    assert [(t.kind, t.method) for t in qat.store.tiers] == [("dram", "zstd"), ("ssd", "qat")]  # the default's DRAM
+    assert [(t.kind, t.method) for t in qat.store.tiers] == [("dram", "fast"), ("ssd", "qat")]  # the default's DRAM
 
 
 @pytest.mark.parametrize("edit, key", [
