@@ -552,8 +552,8 @@ class KVFuseModule:
                            "model makes %s or %s %s: not fused", key.model_name, shapes, list(layout.dtypes), block,
                            split, fused, e.kv_dtype)
             raise FuseFallback("fallback_layout", f"layout {shapes} is neither {split} nor {fused}")
-        if shapes == [split]:
-            return layout, ChunkCodec(split, e.num_layers, e.num_kv_heads, e.head_dim), False
+        if shapes == [split]:  # LMCache's own format: no layout to check (a bad chunk is corrupt, not misread)
+            return layout, ChunkCodec(split, e.num_layers, e.num_kv_heads, e.head_dim), True
         from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError, probe_paged_layout
 
         try:  # vLLM CPU's own cache writer, as the vLLM engine beside this server runs it
