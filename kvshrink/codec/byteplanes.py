@@ -14,28 +14,23 @@ operations run as compiled loops (``_jit``), ~4x faster and outside the GIL. Set
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-import threading
 
 import numpy as np
 
 from kvshrink.codec.entropy import column_entropies
+from kvshrink.codec.lazy_kernels import LazyKernels
 
 if sys.byteorder != "little":  # the stream definition above assumes little-endian memory
     raise ImportError("kvshrink.codec supports little-endian hosts only")
 
-log = logging.getLogger(__name__)
 
 TRANSFORM_SAMPLE_ELEMENTS = 4096
 SAMPLE_RUNS = 64  # the sample is this many evenly spaced runs of consecutive elements
 ROTATE_MIN_GAIN_BITS = 0.02  # rotate only when the sample's total entropy drops by this much per element
 JIT_MIN_ELEMENTS = 64  # below this numba's call overhead is not worth it
 
-_jit_lock = threading.Lock()
-_jit_module = None
-_jit_state = "untried"  # "untried" | "on" | "off: <reason>"
+_kernels = LazyKernels("kvshrink.codec._jit")
 
 
 def split(rows: np.ndarray, rotate: bool, nstreams: int) -> np.ndarray:
@@ -106,7 +101,7 @@ def _sample(rows: np.ndarray) -> np.ndarray:
 
 def jit_status() -> str:
     """'on', 'untried' (not needed yet) or 'off: <why>'."""
-    return _jit_state
+    return _kernels.status
 
 
 def _rotl1(rows: np.ndarray) -> np.ndarray:
@@ -122,22 +117,4 @@ def _rotr1(rows: np.ndarray) -> np.ndarray:
 
 def _jit():
     """The compiled kernels, importing numba on first use; None when unavailable or disabled."""
-    global _jit_module, _jit_state
-    if _jit_state == "untried":
-        with _jit_lock:
-            if _jit_state == "untried":
-                if os.environ.get("KVSHRINK_CODEC_JIT", "1") == "0":
-                    _jit_state = "off: KVSHRINK_CODEC_JIT=0"
-                else:
-                    try:
-                        from kvshrink.codec import _jit as module
-
-                        module.self_test()
-                    except ImportError as exc:
-                        _jit_state = f"off: {exc}"
-                    except Exception as exc:  # numba present but unable to compile here: numpy path
-                        log.warning("codec: compiled byte-plane kernels unavailable (%s); using numpy", exc)
-                        _jit_state = f"off: {type(exc).__name__}: {exc}"
-                    else:
-                        _jit_module, _jit_state = module, "on"
-    return _jit_module
+    return _kernels.get()

@@ -32,13 +32,12 @@ below runs: the same bytes, ~50x slower (0.1 GB/s).
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Callable
 
 import numpy as np
 
 from kvshrink.codec.errors import CodecError
+from kvshrink.codec.lazy_kernels import LazyKernels
 
 CHUNK = 4096  # == _packjit.CHUNK (kept here too: this module must import without numba)
 HEADER = 4
@@ -50,9 +49,7 @@ MAX_WIDTH = 7
 ESCAPE_COST_BITS = 32
 SAMPLE_RUNS, SAMPLE_RUN = 32, 256  # the width is chosen from this many runs of this many bytes
 
-_lock = threading.Lock()
-_kernels = None
-_state = "untried"
+_kernels = LazyKernels("kvshrink.codec._packjit")
 
 
 def planes_size(n: int, w: int) -> int:
@@ -279,17 +276,4 @@ def _np_decode(planes: np.ndarray, w: int, base: int, exc: np.ndarray, low: np.n
 def _jit():
     """The compiled kernels, importing numba on first use; None when unavailable or disabled
     (``KVSHRINK_CODEC_JIT=0``), and then the numpy reference runs."""
-    global _kernels, _state
-    if _state == "untried":
-        with _lock:
-            if _state == "untried":
-                if os.environ.get("KVSHRINK_CODEC_JIT", "1") == "0":
-                    _state = "off: KVSHRINK_CODEC_JIT=0"
-                else:
-                    try:
-                        from kvshrink.codec import _packjit as module
-                    except ImportError as exc:
-                        _state = f"off: {exc}"
-                    else:
-                        _kernels, _state = module, "on"
-    return _kernels
+    return _kernels.get()
