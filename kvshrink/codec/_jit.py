@@ -120,3 +120,41 @@ def self_test() -> None:
             merge(tuple(streams), back, rotate)
             if not np.array_equal(back, rows):
                 raise RuntimeError(f"compiled split/merge round trip failed for width {width}")
+
+
+@numba.njit(nogil=True, cache=True)
+def sample_entropies(rows, runs, run, hist, bits):
+    """``bits[t, k]``: order-0 entropy (bits per byte) of column k of the sample, stored (t = 0)
+    or rotated (t = 1), from ``hist`` (int64[2, width, 256], zeroed) filled with the byte counts
+    of each column of ``rows`` (uint8[n, width]) over ``runs`` runs of ``run``
+    rows, ``n // runs`` rows apart (every row when ``runs`` is 0): ``hist[0, k]`` as stored,
+    ``hist[1, k]`` after rotl1 of each element (``byteplanes._rotl1``: the top bit of byte
+    k-1 enters byte k, the top byte's wraps to byte 0)."""
+    n, width = rows.shape
+    spacing = n // runs if runs else n
+    for r in range(runs if runs else 1):
+        start = r * spacing
+        stop = start + run if runs else n
+        for i in range(start, stop):
+            prev = rows[i, width - 1] >> 7
+            for k in range(width):
+                b = rows[i, k]
+                hist[0, k, b] += 1
+                hist[1, k, ((b << 1) | prev) & 0xFF] += 1
+                prev = b >> 7
+    total = (runs * run if runs else n)
+    for t in range(2):
+        for k in range(width):
+            acc = 0.0
+            for v in range(256):
+                if hist[t, k, v]:
+                    p = hist[t, k, v] / total
+                    acc -= p * np.log2(p)
+            bits[t, k] = acc
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_bytes(src, dst):
+    """dst[:] = src (uint8, same size) without the GIL."""
+    for i in range(src.size):
+        dst[i] = src[i]

@@ -276,3 +276,83 @@ def choose(hist, n, escape_cost_bits, header, max_width):
         if cost < best_cost:
             best_w, best_base, best_size, best_cost = w, windows[w, 0], header + planes + escapes, cost
     return best_w, best_base, best_size
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_word_blocks(blob, hi_off, hi_len, lo_off, widths, bases, planes_len, block_elems, out, rotate,
+                       first, stop):
+    """Decode the fused 2-byte blocks ``first..stop-1`` of a fast frame (``blob``: the whole frame as
+    uint8) into ``out`` (uint16, every element of the frame), one ``decode`` per block, with no
+    Python between blocks. Per-block arrays come from the validated stream table
+    (``fast_frames.WordBlocks``). Returns 0, or ``-(block * 4 + code)`` with code 1 / 2 for
+    ERR_EXCEPTIONS / ERR_COUNT of the first failing block."""
+    n = out.size
+    for b in range(first, stop):
+        start = b * block_elems
+        m = min(block_elems, n - start)
+        ho, pl = hi_off[b], planes_len[b]
+        planes = blob[ho + 4:ho + 4 + pl].view(np.uint64)
+        exc = blob[ho + 4 + pl:ho + hi_len[b]]
+        status = decode(planes, widths[b], bases[b], exc, blob[lo_off[b]:lo_off[b] + m], out[start:start + m], rotate)
+        if status:
+            return -(b * 4 + (1 if status == ERR_EXCEPTIONS else 2))
+    return 0
+
+
+@numba.njit(nogil=True, cache=True)
+def encode_word_blocks(words, rotate, block_elems, first, stop, slots, slot_size, escape_cost_bits, header,
+                       max_width, sample_runs, sample_run, results):
+    """Encode blocks ``first..stop-1`` of ``words`` (uint16, the whole input) as ``packed.encode_words``
+    does, each into its slot of ``slots`` (uint8, ``slot_size`` bytes a block: the payload from 0,
+    the low bytes from ``slot_size - block_elems``), with no Python between blocks.
+    ``results[b - first]`` gets (payload bytes, 1), or (0, 0) when the packed high bytes would not
+    be smaller than the block: the caller encodes that block the general way."""
+    n = words.size
+    hist = np.empty(256, np.int64)
+    for b in range(first, stop):
+        start = b * block_elems
+        m = min(block_elems, n - start)
+        src = words[start:start + m]
+        slot = slots[(b - first) * slot_size:(b - first + 1) * slot_size]
+        low = slot[slot_size - block_elems:slot_size - block_elems + m]
+        hist[:] = 0
+        histogram(src, rotate, sample_runs, sample_run, hist)
+        w, base, estimate = choose(hist, m, escape_cost_bits, header, max_width)
+        results[b - first, 0] = 0
+        results[b - first, 1] = 0
+        if estimate >= m:
+            continue
+        ne = -1
+        while ne < 0:  # width 0 that the sample missed a value for: width 1, as packed._encode
+            full, rest = m // CHUNK, m % CHUNK
+            planes = w * 8 * (full * (CHUNK // 64) + (rest + 63) // 64)
+            ne = encode(src, rotate, w, base, slot[header:header + planes].view(np.uint64),
+                        slot[header + planes:slot_size - block_elems], low)
+            if ne < 0:
+                w = 1
+        slot[0], slot[1], slot[2], slot[3] = w, base, 0, 0
+        size = header + planes + ne
+        if size < m:
+            results[b - first, 0] = size
+            results[b - first, 1] = 1
+
+
+@numba.njit(nogil=True, cache=True)
+def word_block_args(blob, hi_off, hi_len, block_elems, n, header, max_width, widths, bases, planes_len):
+    """Read each block's packed-payload header (at ``hi_off``, ``hi_len`` bytes) into ``widths``,
+    ``bases`` and ``planes_len`` and check it as ``packed.check_payload`` does; False at the first
+    block that fails (its caller then takes the path that reports it)."""
+    for b in range(hi_off.size):
+        m = min(block_elems, n - b * block_elems)
+        size, at = hi_len[b], hi_off[b]
+        if size < header:
+            return False
+        w = np.int64(blob[at])
+        if w > max_width or blob[at + 2] or blob[at + 3]:
+            return False
+        planes = w * 8 * ((m // CHUNK) * (CHUNK // 64) + (m % CHUNK + 63) // 64)
+        exceptions = size - header - planes
+        if exceptions < 0 or exceptions > m or (w == 0 and exceptions):
+            return False
+        widths[b], bases[b], planes_len[b] = w, blob[at + 1], planes
+    return True

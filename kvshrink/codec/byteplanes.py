@@ -76,14 +76,30 @@ def analyze(rows: np.ndarray, transform: str) -> tuple[bool, list[float]]:
     start in parallel).
     """
     width = rows.shape[1]
-    sample = _sample(rows)
-    plain = column_entropies(sample)[::-1]  # stream k is byte width-1-k
+    jit = _jit()
+    if jit is not None:  # one nogil pass over the sample, both transforms: the numpy path below
+        plain, rotated = _sampled_entropies(jit, rows)  # held the GIL for most of a small encode
+    else:
+        sample = _sample(rows)
+        plain = column_entropies(sample)[::-1]  # stream k is byte width-1-k
+        rotated = column_entropies(_rotl1(sample))[::-1] if width > 1 and transform != "none" else plain
     if width == 1 or transform == "none":
         return False, plain
-    rotated = column_entropies(_rotl1(sample))[::-1]
     if transform == "rotl1" or sum(plain) - sum(rotated) > ROTATE_MIN_GAIN_BITS:
         return True, rotated
     return False, plain
+
+
+def _sampled_entropies(jit, rows: np.ndarray) -> tuple[list[float], list[float]]:
+    """(plain, rotated) sampled entropies per stream, from the same rows as ``_sample``."""
+    elements, width = rows.shape
+    runs = 0 if elements <= TRANSFORM_SAMPLE_ELEMENTS else SAMPLE_RUNS
+    if not elements:
+        return [0.0] * width, [0.0] * width
+    bits = np.empty((2, width))
+    jit.sample_entropies(rows, runs, TRANSFORM_SAMPLE_ELEMENTS // SAMPLE_RUNS, np.zeros((2, width, 256), np.int64), bits)
+    bits = bits[:, ::-1]  # stream k is byte width-1-k
+    return bits[0].tolist(), bits[1].tolist()
 
 
 def _sample(rows: np.ndarray) -> np.ndarray:

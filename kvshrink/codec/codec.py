@@ -11,12 +11,12 @@ straight from the frame's memory (no intermediate copy of the frame or of the de
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from kvshrink.codec import backends, byteplanes, dtypes
-from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block
+from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, packed
+from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, encode_fast_words, fast_words_apply
 from kvshrink.codec.cpu_budget import budget
 from kvshrink.codec.errors import CodecArgumentError, CodecError, UnsupportedArrayError
 from kvshrink.codec.frame import (
@@ -93,8 +93,12 @@ class Codec:
                 f"transform={self.transform!r})")
 
     # -- public entry points ----------------------------------------------------------------------
-    def encode(self, x: Any, *, method: str | None = None, level: int | None = None) -> bytes:
-        """A frame holding ``x`` (numpy array or torch tensor); ``x`` is never modified."""
+    def encode(self, x: Any, *, method: str | None = None, level: int | None = None,
+               into: Callable[[int], Any] | None = None) -> Any:
+        """A frame holding ``x`` (numpy array or torch tensor) as new ``bytes``; ``x`` is never
+        modified. With ``into``, the frame is written into ``into(frame_size)`` instead (a writable
+        contiguous buffer of exactly that size, which the caller owns; called once, after the
+        blocks are encoded, from the calling thread) and that buffer is returned."""
         method = self.method if method is None else _check_method(method)
         level = self.level if level is None else _check_level(method, level)
         kind, rows = dtypes.as_byte_rows(x)
@@ -108,15 +112,33 @@ class Codec:
         block_elems = max(1, self.block_size // kind.itemsize, -(-kind.size // MAX_BLOCKS))
         plan = EncodePlan(method, level, self.hash_log, attempt, rotate, nstreams, block_elems)
         nblocks = block_count(kind.size, block_elems)
-        blocks = budget().run(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
-                              self.threads, _parallel(nblocks, kind.nbytes))
+        threads, parallel = self.threads, _parallel(nblocks, kind.nbytes)
+        if fast_words_apply(plan):  # one kernel call per group of blocks
+            groups = _groups(nblocks, threads if parallel else 1)
+            blocks = [blk for group in budget().run(len(groups), lambda g: encode_fast_words(rows, plan, *groups[g]),
+                                                    threads, parallel) for blk in group]
+        else:
+            blocks = budget().run(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
+                                  threads, parallel)
+        sizes = [[memoryview(p).nbytes for p in blk.payloads] for blk in blocks]
         header = pack_header(kind, method, "rotl1" if rotate else "none", nstreams, block_elems,
-                             [blk.checksum for blk in blocks], [blk.codings for blk in blocks],
-                             [[len(memoryview(p)) for p in blk.payloads] for blk in blocks])
-        frame = b"".join([header, *(p for blk in blocks for p in blk.payloads)])
-        for blk in blocks:
-            blk.release()
-        return frame
+                             [blk.checksum for blk in blocks], [blk.codings for blk in blocks], sizes)
+        try:
+            size = len(header) + sum(map(sum, sizes))
+            if into is not None:
+                frame = into(size)
+                dest = frame_writer.writable_view(frame, size)
+            elif (made := frame_writer.fresh_bytes(size)) is not None:
+                frame, dest = made
+            else:
+                return b"".join([header, *(p for blk in blocks for p in blk.payloads)])
+            groups = len(_groups(nblocks, threads if parallel else 1))
+            frame_writer.write(dest, header, [blk.payloads for blk in blocks], groups,
+                               lambda count, work: budget().run(count, work, threads, parallel))
+            return frame
+        finally:
+            for blk in blocks:
+                blk.release()
 
     def decode(self, blob: Any, out: Any = None, *, as_numpy: bool = False) -> Any:
         """The array held by ``blob``, bit-exact, as the container it was encoded from.
@@ -137,8 +159,16 @@ class Codec:
         else:
             copy_needed = False
             result, rows = _numpy_output(kind) if as_numpy else dtypes.new_output(kind)
-        budget().run(header.nblocks, lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
-                     self.threads, _parallel(header.nblocks, kind.nbytes))
+        threads, parallel = self.threads, _parallel(header.nblocks, kind.nbytes)
+        kernels = packed.kernels()
+        words = None if kernels is None else fast_frames.word_blocks(view, header, table, kernels)
+        if words is not None:  # one kernel call per group of blocks
+            out_words = rows.reshape(-1).view("<u2")
+            groups = _groups(header.nblocks, threads if parallel else 1)
+            budget().run(len(groups), lambda g: words.decode(kernels, out_words, *groups[g]), threads, parallel)
+        else:
+            budget().run(header.nblocks, lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
+                         threads, parallel)
         if copy_needed and kind.nbytes:
             dtypes.copy_into(out, rows.reshape(-1))
         return result
@@ -161,6 +191,16 @@ class Codec:
 def _parallel(nblocks: int, nbytes: int) -> bool:
     """Whether helpers may join a call: several blocks, and enough bytes to pay for the hand-off."""
     return nblocks > 1 and nbytes >= PARALLEL_MIN_BYTES
+
+
+def _groups(nblocks: int, threads: int) -> list[tuple[int, int]]:
+    """Contiguous [first, stop) block ranges: one for a serial call, else two per thread, so a
+    helper that starts late leaves the caller whole groups to take instead of idling."""
+    count = min(nblocks, 1 if threads <= 1 else 2 * threads)
+    if not count:
+        return []
+    edges = [nblocks * g // count for g in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def _block_slice(header: FrameHeader, block: int) -> slice:

@@ -273,6 +273,11 @@ def _np_decode(planes: np.ndarray, w: int, base: int, exc: np.ndarray, low: np.n
     return 0
 
 
+def kernels():
+    """The compiled kernels module (for whole-frame callers), None when the numpy reference runs."""
+    return _jit()
+
+
 def _jit():
     """The compiled kernels, importing numba on first use; None when unavailable or disabled
     (``KVSHRINK_CODEC_JIT=0``), and then the numpy reference runs."""

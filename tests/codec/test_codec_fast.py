@@ -13,7 +13,7 @@ import pytest
 import torch
 from codec_harness import check_roundtrip
 
-from kvshrink.codec import Codec, CodecError, decode, encode, frame, packed, read_header
+from kvshrink.codec import Codec, CodecArgumentError, CodecError, decode, encode, frame, packed, read_header
 from kvshrink.codec.dtypes import TORCH_DTYPE_WIDTHS, ArrayKind
 from kvshrink.codec.frame import PACKED, STORED, pack_header, parse_header
 
@@ -133,13 +133,41 @@ def test_kernels_match_numpy_reference(monkeypatch):
             assert low_jit.tobytes() == low_ref.tobytes()
 
 
-def test_without_numba_the_same_frames(monkeypatch, real_chunks):
-    kv = np.ascontiguousarray(real_chunks[0][:, :1])
-    with Codec(method="fast", threads=1, block_size=64 << 10) as codec:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_without_numba_the_same_frames(monkeypatch, real_chunks, threads):
+    """The compiled path (a group of blocks per kernel call) writes the reference's bytes, and
+    reads them back; with 2 threads the groups split the frame differently."""
+    kv = np.ascontiguousarray(real_chunks[0][:, :4])
+    with Codec(method="fast", threads=threads, block_size=64 << 10) as codec:
         fast = codec.encode(kv)
+        assert parse_header(memoryview(fast))[0].nblocks > 4
+        back = np.empty_like(kv)
+        codec.decode(fast, out=back)
+        assert back.tobytes() == kv.tobytes()
         monkeypatch.setattr(packed, "_jit", lambda: None)
         assert codec.encode(kv) == fast
         assert codec.decode(fast).tobytes() == kv.tobytes()
+
+
+def test_encode_into_a_callers_buffer(real_chunks):
+    """``into`` gets the frame's exact size once and receives the same bytes ``encode`` returns;
+    a buffer of the wrong size or a read-only one is refused."""
+    kv = real_chunks[1]
+    with Codec(method="fast", threads=2) as codec:
+        frame = codec.encode(kv)
+        asked = []
+
+        def into(size):
+            asked.append(size)
+            return np.empty(size, np.uint8)
+
+        written = codec.encode(kv, into=into)
+        assert asked == [len(frame)] and written.tobytes() == frame
+        assert bytes(codec.encode(kv, method="zstd", into=bytearray)) == codec.encode(kv, method="zstd")
+        with pytest.raises(CodecArgumentError, match="exactly"):
+            codec.encode(kv, into=lambda size: bytearray(size + 1))
+        with pytest.raises(CodecArgumentError, match="writable"):
+            codec.encode(kv, into=lambda size: bytes(size))
 
 
 def test_decode_into_out_allocates_no_full_copy(real_chunks):

@@ -88,3 +88,19 @@ def test_entropy_and_bounds(real_chunks):
     rows = real_chunks[0].reshape(-1).view(np.uint8).reshape(-1, 2)
     plain, rotated = order0_bound(rows), order0_bound(rows, rotate=True)
     assert 1.40 < plain < rotated < 1.55
+
+
+def test_compiled_sample_entropies_equal_the_numpy_path(real_chunks):
+    """The one-pass kernel samples the same rows and gives the same bits, stored and rotated."""
+    jit = byteplanes._jit()
+    if jit is None:
+        pytest.skip("numba not installed: only the numpy path runs")
+    rng = np.random.default_rng(5)
+    cases = [real_chunks[0].reshape(-1).view(np.uint8).reshape(-1, 2), rng.integers(0, 256, (10000, 4), dtype=np.uint8),
+             rng.integers(0, 256, (100, 2), dtype=np.uint8), rng.integers(0, 256, (123457, 8), dtype=np.uint8),
+             rng.integers(0, 256, (5000, 1), dtype=np.uint8), np.zeros((0, 2), np.uint8)]
+    for rows in cases:
+        sample = byteplanes._sample(rows)
+        plain, rotated = byteplanes._sampled_entropies(jit, rows)
+        assert plain == pytest.approx(column_entropies(sample)[::-1], abs=1e-9)
+        assert rotated == pytest.approx(column_entropies(byteplanes._rotl1(sample))[::-1], abs=1e-9)
