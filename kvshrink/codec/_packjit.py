@@ -284,8 +284,9 @@ def decode_word_blocks(blob, hi_off, hi_len, lo_off, widths, bases, planes_len, 
     """Decode the fused 2-byte blocks ``first..stop-1`` of a fast frame (``blob``: the whole frame as
     uint8) into ``out`` (uint16, every element of the frame), one ``decode`` per block, with no
     Python between blocks. Per-block arrays come from the validated stream table
-    (``fast_frames.WordBlocks``). Returns 0, or ``-(block * 4 + code)`` with code 1 / 2 for
-    ERR_EXCEPTIONS / ERR_COUNT of the first failing block."""
+    (``fast_frames.WordBlocks``), which calls it a block at a time so that the block's checksum
+    reads it from cache. Returns 0, or ``-(block * 4 + code)`` with code 1 / 2 for ERR_EXCEPTIONS /
+    ERR_COUNT of the first failing block."""
     n = out.size
     for b in range(first, stop):
         start = b * block_elems
@@ -304,7 +305,8 @@ def encode_word_blocks(words, rotate, block_elems, first, stop, slots, slot_size
                        max_width, sample_runs, sample_run, results):
     """Encode blocks ``first..stop-1`` of ``words`` (uint16, the whole input) as ``packed.encode_words``
     does, each into its slot of ``slots`` (uint8, ``slot_size`` bytes a block: the payload from 0,
-    the low bytes from ``slot_size - block_elems``), with no Python between blocks.
+    the low bytes from ``slot_size - block_elems``): sampling, width choice and packing in one
+    call without the GIL (``blocks.encode_fast_words`` passes one block at a time).
     ``results[b - first]`` gets (payload bytes, 1), or (0, 0) when the packed high bytes would not
     be smaller than the block: the caller encodes that block the general way."""
     n = words.size

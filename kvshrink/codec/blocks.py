@@ -101,20 +101,21 @@ def _encode_fast(rows: np.ndarray, plan: EncodePlan, checksum: int) -> EncodedBl
 
 def encode_fast_words(rows: np.ndarray, plan: EncodePlan, first: int, stop: int) -> list[EncodedBlock]:
     """Blocks ``first..stop-1`` of ``rows`` (the whole input, ``uint8[elements, 2]``) encoded as
-    ``_encode_fast`` encodes them, the packing of every block in one ``nogil`` kernel call (a
-    block encoded alone paid ~20 us of Python under the GIL). One pooled buffer holds the group's
-    payloads; the first block's ``release`` gives it back. Needs the compiled kernels."""
+    ``_encode_fast`` encodes them, byte for byte: sampling, width choice and packing of a block in
+    one ``nogil`` kernel call (through ``_encode_fast`` a block paid ~20 us of Python under the
+    GIL). One pooled buffer holds the group's payloads; the first block's ``release`` gives it
+    back. Needs the compiled kernels."""
     kernels = packed.kernels()
     words = rows.reshape(-1).view("<u2")
     slot = packed.encode_buffer_size(plan.block_elems) + plan.block_elems
     slots = _scratch.take(slot * (stop - first))
     results = np.empty((stop - first, 2), np.int64)
-    kernels.encode_word_blocks(words, plan.rotate, plan.block_elems, first, stop, slots, slot,
-                               packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, packed.SAMPLE_RUNS,
-                               packed.SAMPLE_RUN, results)
     blocks = []
-    for b in range(first, stop):
+    for b in range(first, stop):  # a call per block: its checksum reads it while it is still in cache
         block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
+        kernels.encode_word_blocks(words, plan.rotate, plan.block_elems, b, b + 1, slots[(b - first) * slot:], slot,
+                                   packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, packed.SAMPLE_RUNS,
+                                   packed.SAMPLE_RUN, results[b - first:])
         size, packed_ok = results[b - first].tolist()
         if not packed_ok:  # high bytes not worth packing here: the general path stores them
             blocks.append(encode_block(block_rows, plan))

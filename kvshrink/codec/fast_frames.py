@@ -1,15 +1,15 @@
-"""Decoding a ``fast`` frame of 2-byte elements a group of blocks per kernel call.
+"""Decoding a ``fast`` frame of 2-byte elements with the stream table validated once per frame.
 
-Why: decoded one block per call (``blocks.decode_block``), each 512 KiB block paid ~10 us of
-Python (stream-table lookups, payload views, the kernel call) holding the GIL; on a 6 GB/s
-kernel that was a tenth of one thread's time and the part two threads could not share. Here the
-stream table of the whole frame is validated once with numpy, and each worker decodes a
-contiguous group of blocks in one ``nogil`` kernel call, then checks their checksums (xxhash
-also runs without the GIL).
+Why: decoded through ``blocks.decode_block``, each 512 KiB block paid ~10 us of Python (stream
+table lookups, payload views and checks) holding the GIL; on a kernel that decodes ~20 GB/s
+from cache that was the part two threads could not share. Here the table of the whole frame is
+checked in one compiled pass, and each worker decodes a contiguous group of blocks, one kernel
+call per block (``nogil``) followed by its checksum (xxhash, also without the GIL) while the block
+is still in the core's cache: hashing a whole group after decoding it read it back from memory.
 
 Only frames whose every block is the fused case (packed high bytes, stored low bytes) take this
-path; any other frame, or one whose table fails a check, returns None from :func:`word_blocks`
-and is decoded block by block as before, which raises the precise ``CodecError``.
+path; any other frame, or one whose table fails a check, gets None from :func:`word_blocks` and
+is decoded block by block as before, which raises the precise ``CodecError``.
 
 Buffers: reads the frame where it lies, writes only the caller's ``out``. Threads: a
 ``WordBlocks`` is read-only after construction; groups write disjoint slices of ``out``.
@@ -46,17 +46,17 @@ class WordBlocks:
     planes_len: np.ndarray  # bytes of bit planes
 
     def decode(self, kernels, out: np.ndarray, first: int, stop: int) -> None:
-        """Decode blocks ``first..stop-1`` into ``out`` (uint16 over the whole frame) and verify them."""
+        """Decode blocks ``first..stop-1`` into ``out`` (uint16 over the whole frame) and verify
+        them, each block hashed right after it is decoded, while it is still in the core's cache."""
         h = self.header
-        status = kernels.decode_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.widths, self.bases,
-                                            self.planes_len, h.block_elems, out, h.transform == "rotl1", first, stop)
-        if status:
-            code = -status % 4
-            raise CodecError("packed stream has " + ("more escape codes than exceptions" if code == 1
-                                                     else "more exceptions than escape codes"))
+        rotate, elems = h.transform == "rotl1", h.block_elems
         for b in range(first, stop):
-            block = out[b * h.block_elems:(b + 1) * h.block_elems]
-            if xxhash.xxh3_64_intdigest(block) != int(self.checksums[b]):
+            status = kernels.decode_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.widths,
+                                                self.bases, self.planes_len, elems, out, rotate, b, b + 1)
+            if status:
+                raise CodecError("packed stream has " + ("more escape codes than exceptions" if -status % 4 == 1
+                                                         else "more exceptions than escape codes"))
+            if xxhash.xxh3_64_intdigest(out[b * elems:(b + 1) * elems]) != int(self.checksums[b]):
                 raise CodecError(f"checksum mismatch in block {b} of {h.nblocks} (corrupt payload)")
 
 
