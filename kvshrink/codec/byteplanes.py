@@ -97,7 +97,8 @@ def _sampled_entropies(jit, rows: np.ndarray) -> tuple[list[float], list[float]]
     if not elements:
         return [0.0] * width, [0.0] * width
     bits = np.empty((2, width))
-    jit.sample_entropies(rows, runs, TRANSFORM_SAMPLE_ELEMENTS // SAMPLE_RUNS, np.zeros((2, width, 256), np.int64), bits)
+    hist = np.zeros((2, width, 256), np.int64)
+    jit.sample_entropies(rows, runs, TRANSFORM_SAMPLE_ELEMENTS // SAMPLE_RUNS, hist, bits)
     bits = bits[:, ::-1]  # stream k is byte width-1-k
     return bits[0].tolist(), bits[1].tolist()
 

@@ -1,8 +1,9 @@
 """``Codec``: settings and the encode / decode / read_header entry points.
 
 Thread safety: a ``Codec`` may be used from many threads at once. Its settings are immutable; the
-zstd contexts live per thread (``backends``). Block parallelism comes from the process-wide
-budget (:mod:`kvshrink.codec.cpu_budget`): however many Codecs and callers, at most its limit of
+zstd contexts live per thread (``backends``). Block parallelism comes from a thread budget
+(:mod:`kvshrink.codec.cpu_budget`): the one given to the constructor (a store passes its own),
+else the process-wide one; however many Codecs and callers share a budget, at most its limit of
 threads run block work at once; a Codec owns no threads.
 Buffer ownership: ``encode`` only reads its input and returns new ``bytes``; ``decode`` writes only
 into the array it returns (``out`` when given, whose content is unspecified if decode raises),
@@ -17,7 +18,8 @@ import numpy as np
 
 from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, packed
 from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, encode_fast_words, fast_words_apply
-from kvshrink.codec.cpu_budget import budget
+from kvshrink.codec.cpu_budget import CpuBudget
+from kvshrink.codec.cpu_budget import budget as _process_budget
 from kvshrink.codec.errors import CodecArgumentError, CodecError, UnsupportedArrayError
 from kvshrink.codec.frame import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -40,7 +42,7 @@ TRANSFORM_CHOICES = ("auto", "none", "rotl1")
 def default_threads() -> int:
     """The process budget's limit: ``engine.codec_threads`` of a store that set it, else
     ``KVSHRINK_CODEC_THREADS``, else the CPUs this process may use (ConfigError if malformed)."""
-    return budget().limit()
+    return _process_budget().limit()
 
 
 class Codec:
@@ -58,18 +60,21 @@ class Codec:
     * ``hash_log``: zstd match-finder table size for compressed streams (None: zstd's default);
     * ``min_saving``: a stream whose sampled order-0 entropy promises a smaller saving is stored;
     * ``transform``: "auto" (rotl1 when a sample says it helps), "none" or "rotl1";
-    * ``max_frame_bytes``: decode refuses frames claiming more decoded bytes than this.
+    * ``max_frame_bytes``: decode refuses frames claiming more decoded bytes than this;
+    * ``budget``: the :class:`~kvshrink.codec.cpu_budget.CpuBudget` whose threads run block work
+      (None: the process-wide one).
     """
 
     def __init__(self, method: str = "zstd", level: int = 1, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  threads: int | None = None, hash_log: int | None = DEFAULT_HASH_LOG,
                  min_saving: float = DEFAULT_MIN_SAVING, transform: str = "auto",
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, budget: CpuBudget | None = None) -> None:
+        self.budget = _process_budget() if budget is None else budget
         self.method = _check_method(method)
         self.level = _check_level(method, level)
         self.block_size = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         if threads is None:
-            default_threads()  # a malformed KVSHRINK_CODEC_THREADS fails here, not in the first call
+            self.budget.limit()  # a malformed KVSHRINK_CODEC_THREADS fails here, not in the first call
         self._threads = None if threads is None else _check_int("threads", threads, 1)
         if hash_log is not None:
             _check_int("hash_log", hash_log, 6, 30)
@@ -85,7 +90,7 @@ class Codec:
     @property
     def threads(self) -> int:
         """Most threads one call may use: the ``threads`` given, else the budget's limit now."""
-        return default_threads() if self._threads is None else self._threads
+        return self.budget.limit() if self._threads is None else self._threads
 
     def __repr__(self) -> str:
         return (f"Codec(method={self.method!r}, level={self.level}, block_size={self.block_size}, "
@@ -115,10 +120,10 @@ class Codec:
         threads, parallel = self.threads, _parallel(nblocks, kind.nbytes)
         if fast_words_apply(plan):  # one kernel call per group of blocks
             groups = _groups(nblocks, threads if parallel else 1)
-            blocks = [blk for group in budget().run(len(groups), lambda g: encode_fast_words(rows, plan, *groups[g]),
+            blocks = [blk for group in self.budget.run(len(groups), lambda g: encode_fast_words(rows, plan, *groups[g]),
                                                     threads, parallel) for blk in group]
         else:
-            blocks = budget().run(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
+            blocks = self.budget.run(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
                                   threads, parallel)
         sizes = [[memoryview(p).nbytes for p in blk.payloads] for blk in blocks]
         header = pack_header(kind, method, "rotl1" if rotate else "none", nstreams, block_elems,
@@ -134,7 +139,7 @@ class Codec:
                 return b"".join([header, *(p for blk in blocks for p in blk.payloads)])
             groups = len(_groups(nblocks, threads if parallel else 1))
             frame_writer.write(dest, header, [blk.payloads for blk in blocks], groups,
-                               lambda count, work: budget().run(count, work, threads, parallel))
+                               lambda count, work: self.budget.run(count, work, threads, parallel))
             return frame
         finally:
             for blk in blocks:
@@ -165,10 +170,11 @@ class Codec:
         if words is not None:  # one kernel call per group of blocks
             out_words = rows.reshape(-1).view("<u2")
             groups = _groups(header.nblocks, threads if parallel else 1)
-            budget().run(len(groups), lambda g: words.decode(kernels, out_words, *groups[g]), threads, parallel)
+            self.budget.run(len(groups), lambda g: words.decode(kernels, out_words, *groups[g]), threads, parallel)
         else:
-            budget().run(header.nblocks, lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
-                         threads, parallel)
+            self.budget.run(header.nblocks,
+                            lambda b: decode_block(view, header, table, b, rows[_block_slice(header, b)]),
+                            threads, parallel)
         if copy_needed and kind.nbytes:
             dtypes.copy_into(out, rows.reshape(-1))
         return result

@@ -12,13 +12,14 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvshrink.codec import Codec, blocks
-from kvshrink.codec.cpu_budget import ENV, budget, cpu_count
+from kvshrink.codec import Codec, blocks, fast_frames
+from kvshrink.codec.cpu_budget import ENV, CpuBudget, budget, cpu_count
 from kvshrink.errors import ConfigError, KVShrinkError
 from kvshrink.store import TieredStore
 from kvshrink.store.config import StoreConfig
 
-BLOCK_CODE = {blocks.encode_block.__code__, blocks.decode_block.__code__}
+BLOCK_CODE = {blocks.encode_block.__code__, blocks.decode_block.__code__, blocks.encode_fast_words.__code__,
+              fast_frames.WordBlocks.decode.__code__}
 
 
 @pytest.fixture(autouse=True)
@@ -68,9 +69,9 @@ def _in_block(frame) -> bool:
     return False
 
 
-def _hammer(real_chunks, callers: int, rounds: int) -> None:
+def _hammer(real_chunks, callers: int, rounds: int, method: str = "zstd") -> None:
     """``callers`` threads each encoding and decoding real chunks, wanting 4 threads per call."""
-    codec = Codec(threads=4, block_size=128 << 10)
+    codec = Codec(method, threads=4, block_size=128 << 10)
     frames = [codec.encode(c) for c in real_chunks[:2]]
 
     def job(i: int) -> None:
@@ -85,15 +86,32 @@ def _hammer(real_chunks, callers: int, rounds: int) -> None:
         list(pool.map(job, range(callers)))
 
 
-def test_busy_codec_threads_never_exceed_the_budget(real_chunks):
+@pytest.mark.parametrize("method", ["zstd", "fast"])
+def test_busy_codec_threads_never_exceed_the_budget(real_chunks, method):
+    """Also for the fast method, whose frames are coded a group of blocks per call."""
     budget().configure(2)
     budget().reset_peak()
     with BlockWatcher() as watch:
-        _hammer(real_chunks, callers=12, rounds=3)
+        _hammer(real_chunks, callers=12, rounds=3, method=method)
     assert watch.samples > 50
     assert watch.peak <= 2, f"{watch.peak} threads in block work at once with a budget of 2"
     assert watch.peak == 2, "the budget's two threads were never busy together"
     assert budget().stats()["peak_busy"] <= 2 and budget().stats()["busy"] == 0
+
+
+def test_a_codec_with_its_own_budget_leaves_the_process_budget_alone(real_chunks):
+    """``Codec(budget=...)``: its calls take tokens from that budget only, and its default thread
+    count is that budget's limit; the process-wide budget is neither used nor reconfigured."""
+    budget().configure(2)
+    budget().reset_peak()
+    own = CpuBudget(1)
+    codec = Codec("fast", budget=own)
+    assert codec.threads == 1
+    out = np.empty_like(real_chunks[0])
+    codec.decode(codec.encode(real_chunks[0]), out=out)
+    assert np.array_equal(out, real_chunks[0])
+    assert own.stats()["peak_busy"] == 1 and own.stats()["busy"] == 0
+    assert budget().stats()["peak_busy"] == 0 and budget().configured == 2
 
 
 def test_the_watcher_sees_a_larger_budget_used(real_chunks):
