@@ -86,7 +86,7 @@ def _failed_tier(exc: BaseException, config: "StoreConfig") -> int | None:
     """Index of the tier whose opening raised ``exc``: TieredStore opens tiers one at a time with
     ``build_tier(tier_config, ...)``, so the innermost such call in the traceback holds the exact
     TierConfig (an object, not a name guessed from the message). None: the store failed elsewhere."""
-    from kvshrink.store.tiered import build_tier
+    from kvshrink.store.tier_registry import build_tier
 
     found = None
     tb = exc.__traceback__

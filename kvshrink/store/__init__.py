@@ -10,9 +10,13 @@ Usage::
 Module map: ``config`` (YAML -> dataclasses), ``tier_base`` (the tier contract), ``arena`` +
 ``dram`` (+ ``shm_file``), ``ssd`` + ``ssd_index``, ``redis_tier``, ``tier_codecs`` (which codec
 method and level each tier uses), ``copy_engine`` (staging buffers and bounded worker lanes),
-``tiered`` (TieredStore) with ``ledger`` (copies in flight), ``drops`` (drop listeners) and
-``placements`` (placement notices), ``stats`` (counters, Prometheus). ``tiered`` is the top: no
-other module here imports it (docs/architecture.md).
+``tiered`` (TieredStore, a facade) over ``tier_set`` (tier roles and shared lookups),
+``write_path`` (write, evict, demote, retire older copies), ``copy_jobs`` (put, write-back,
+promotion, prefetch and idle moves), ``read_path`` (reads and lookups), ``parking`` (chunks bound
+for Redis), ``drop_reports`` (which removed keys really left), ``ledger`` (copies in flight),
+``pins``, ``drops`` (drop listeners) and ``placements`` (placement notices), ``stats`` (counters,
+Prometheus). ``tiered`` is the top: no other module here imports it (docs/architecture.md); the
+protocol across tiers is written out in docs/store-consistency.md.
 """
 
 from kvshrink.store.config import EngineConfig, StoreConfig, TierConfig

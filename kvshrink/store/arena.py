@@ -56,6 +56,7 @@ from typing import Iterable
 import numpy as np
 
 from kvshrink.errors import CorruptDataError, StoreUnavailableError
+from kvshrink.store.arena_space import FreeSpace, Room
 from kvshrink.store.shm_file import open_owner, open_reader, reserve
 from kvshrink.store.tier_base import MAX_KEY_BYTES
 
@@ -96,19 +97,8 @@ class Block:
         return self.offset + HEADER_SIZE + _round_up(len(self.key))
 
 
-@dataclass
-class Room:
-    """What :meth:`Arena.room_for` found: whether room can be made, the blocks to free for it
-    (in the order given; empty when a hole fits already), and the largest hole it saw (the one
-    used when ``fits``; otherwise the largest that freeing every candidate would make)."""
-
-    fits: bool
-    blocks: list[Block]
-    largest: int
-
-
 class Arena:
-    """The mapping plus a best-fit allocator over its free blocks.
+    """The mapping, its block headers and their recovery; where blocks go is :class:`FreeSpace`'s.
 
     Errors at open: :class:`StoreUnavailableError` (owned by another live process, no room to
     reserve the pages, a reader finding holes), :class:`CorruptDataError` (too small for a block).
@@ -117,8 +107,7 @@ class Arena:
     def __init__(self, path: Path, size: int, *, readonly: bool = False) -> None:
         self.path = path
         self.readonly = readonly
-        self.free_by_start: dict[int, int] = {}
-        self.free_by_end: dict[int, int] = {}
+        self.space = FreeSpace()
         self.next_seq = 1
         self.damaged: list[int] = []  # offsets of the damaged headers the last scan() skipped
         self._pending_damage: list[int] = []
@@ -156,6 +145,11 @@ class Arena:
 
     def fileno(self) -> int:
         return self._fd
+
+    @property
+    def free_by_start(self) -> dict[int, int]:
+        """Free blocks, start -> size."""
+        return self.space.by_start
 
     # -- opening ----------------------------------------------------------------------------------
     def _prepare_file(self, size: int) -> tuple[int, bool]:
@@ -277,8 +271,7 @@ class Arena:
         return limit
 
     def _rebuild_free_lists(self) -> None:
-        self.free_by_start.clear()
-        self.free_by_end.clear()
+        self.space.clear()
         offset, run_start = SUPERBLOCK, None
         while offset < self._limit:
             _, state, size, *_ = HEADER.unpack_from(self.mm, offset)
@@ -294,25 +287,23 @@ class Arena:
         while offset < self._limit:
             _, state, size, *_ = HEADER.unpack_from(self.mm, offset)
             if state == FREE:
-                self.free_by_start[offset] = size
-                self.free_by_end[offset + size] = offset
+                self.space.add(offset, size)
             offset += size
 
     # -- allocation -----------------------------------------------------------------------------
     def largest_free(self) -> int:
-        return max(self.free_by_start.values(), default=0)
+        return self.space.largest()
 
     def allocate(self, key: bytes, frame_len: int) -> Block | None:
         """Reserve a WRITING block for ``key``; None if no free block is large enough."""
         need = block_size_for(len(key), frame_len)
-        fits = [(size, start) for start, size in self.free_by_start.items() if size >= need]
-        if not fits:
+        found = self.space.best_fit(need)
+        if found is None:
             return None
-        size, start = min(fits)  # best fit keeps large holes for large frames
-        self._take_free(start)
+        start, size = found
         if size - need >= MIN_BLOCK:
             self._write_header(start + need, FREE, size - need, 0, 0, b"")
-            self._add_free(start + need, size - need)
+            self.space.add(start + need, size - need)
         else:
             need = size
         seq = self.next_seq
@@ -322,53 +313,8 @@ class Arena:
 
     def room_for(self, key_len: int, frame_len: int, candidates: Iterable[Block],
                  cheap: bytes | None = None) -> Room:
-        """Which of ``candidates`` to free so that :meth:`allocate` succeeds: a dry run of
-        :meth:`free` with its merges, touching nothing. Candidates are taken in order until one
-        hole would be large enough; of those, only the ones in the cheapest run of neighbouring
-        blocks inside that hole that is large enough are kept (fewest blocks, then not the block
-        of key ``cheap``, then the lowest offset), so that leaving out any kept block would
-        leave no hole large enough. Consumes ``candidates`` up to that point (all of them when
-        no room can be made)."""
-        need = block_size_for(key_len, frame_len)
-        by_start, by_end = dict(self.free_by_start), dict(self.free_by_end)
-        largest = max(by_start.values(), default=0)
-        if largest >= need:
-            return Room(True, [], largest)
-        chosen: list[Block] = []
-        for block in candidates:
-            chosen.append(block)
-            start, size = block.offset, block.size
-            if start + size in by_start:
-                size += by_start.pop(start + size)
-                del by_end[start + size]
-            if start in by_end:
-                prev = by_end.pop(start)
-                size += by_start.pop(prev)
-                start = prev
-            by_start[start] = size
-            by_end[start + size] = start
-            if size >= need:  # the only hole that fits: the one this block just joined
-                return Room(True, self._cheapest_run(start, start + size, need, chosen, cheap), size)
-            largest = max(largest, size)
-        return Room(False, [], largest)
-
-    def _cheapest_run(self, low: int, high: int, need: int, chosen: list[Block], cheap: bytes | None) -> list[Block]:
-        """The blocks of ``chosen`` in the cheapest run of neighbours in [low, high) (free
-        blocks and chosen ones, which tile it) that holds ``need`` bytes; in ``chosen`` order."""
-        parts = sorted([(start, size, 0) for start, size in self.free_by_start.items() if low <= start < high]
-                       + [(b.offset, b.size, 1 if b.key == cheap else 2) for b in chosen if low <= b.offset < high])
-        best = (len(parts) * 2 + 1, 0, len(parts))  # cost (2 a block, 1 the cheap one), first, end
-        right, total, spent = 0, 0, 0
-        for left in range(len(parts)):  # two pointers: no cost is negative
-            while total < need and right < len(parts):
-                total, spent, right = total + parts[right][1], spent + parts[right][2], right + 1
-            if total < need:
-                break
-            if spent < best[0]:
-                best = (spent, left, right)
-            total, spent = total - parts[left][1], spent - parts[left][2]
-        keep = {offset for offset, _, weight in parts[best[1]:best[2]] if weight}
-        return [b for b in chosen if b.offset in keep]
+        """Which of ``candidates`` to free so that :meth:`allocate` succeeds (:meth:`FreeSpace.room_for`)."""
+        return self.space.room_for(block_size_for(key_len, frame_len), candidates, cheap)
 
     def commit(self, block: Block, frame: bytes | memoryview) -> None:
         src = np.frombuffer(frame, dtype=np.uint8)
@@ -385,14 +331,9 @@ class Arena:
         if size is None:
             size = struct.unpack_from("<Q", self.mm, offset + 8)[0]
         self._set_state(offset, FREE)
-        if offset + size in self.free_by_start:  # merge with the next block
-            size += self._take_free(offset + size)
-        if offset in self.free_by_end:  # merge into the previous block
-            prev = self.free_by_end[offset]
-            size += self._take_free(prev)
-            offset = prev
+        offset, size = self.space.merged(offset, size)
         self._write_header(offset, FREE, size, 0, 0, b"")
-        self._add_free(offset, size)
+        self.space.add(offset, size)
         return intact
 
     def payload(self, block: Block) -> np.ndarray:
@@ -446,13 +387,3 @@ class Arena:
         key so no later state flip can bring the old chunk back."""
         self._set_state(offset, FREE)
         self._write_header(offset, FREE, size, 0, 0, b"")
-
-    def _add_free(self, start: int, size: int) -> None:
-        self.free_by_start[start] = size
-        self.free_by_end[start + size] = start
-
-    def _take_free(self, start: int) -> int:
-        size = self.free_by_start.pop(start)
-        del self.free_by_end[start + size]
-        return size
-

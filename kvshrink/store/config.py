@@ -4,21 +4,23 @@ Every value is checked once, here, so that tiers can trust what they get; a wron
 :class:`~kvshrink.errors.ConfigError` naming the exact key (``tiers[1].capacity``). Unknown keys
 are errors too: a typo must not silently fall back to a default. Checks that belong to another
 module are asked of it, not copied: a tier's ``level`` goes through the codec's own range check
-for its ``method``, a Redis ``url`` through redis-py's URL parser.
+for its ``method``; a tier's kind-specific keys through the config class its kind registered
+(:mod:`kvshrink.store.tier_registry`; a Redis ``url`` goes on to redis-py's URL parser). This
+module names no tier kind.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from kvshrink.config_checks import bool_value, int_value, load_yaml, mapping_value, number_value, one_of, reject_unknown
 from kvshrink.errors import ConfigError
 
 EVICTION_POLICIES = ("lru", "fifo")
-TIER_KINDS = ("dram", "ssd", "redis")
 # A tier's ``codec``: ``raw`` (framed and checksummed, not compressed), ``fast`` (the exponent byte
 # packed, the rest moved at memory speed: ~1.33x, decoded at several GB/s per core) or ``dense``
 # (byte planes + ``method``: zstd, or qat = deflate, ~1.48x at ~2 GB/s). ``compressed: true/false``
@@ -48,10 +50,21 @@ def parse_size(value: Any, key: str) -> int:
     return size
 
 
+_CHECK_BY_TYPE: dict[str, Callable[[Any, str], Any]] = {  # a kind-specific field's type -> its check
+    "bool": bool_value, "int": partial(int_value, minimum=0), "float": number_value, "str": lambda value, key: str(value)}
+
+
 @dataclass(frozen=True)
 class TierConfig:
-    """One tier. ``put``: a store lands here and its Future waits for it; ``write_back``: the chunk
-    is copied here in the background after the put; eviction from the tier above demotes here."""
+    """The keys every tier has. ``put``: a store lands here and its Future waits for it;
+    ``write_back``: the chunk is copied here in the background after the put; eviction from the
+    tier above demotes here.
+
+    A kind's own keys (a DRAM tier's ``shm_name``, an SSD tier's ``path``) live in its config
+    class, a subclass registered with the kind (:mod:`kvshrink.store.tier_registry`), which also
+    checks them (:meth:`parse_kind_keys`). ``TierConfig(kind="ssd", ...)`` builds that subclass,
+    as ``pathlib.Path()`` builds a ``PosixPath``; a kind without keys of its own uses this class.
+    """
 
     kind: str
     name: str
@@ -63,24 +76,42 @@ class TierConfig:
     method: str = "zstd"  # the codec method of compressed frames: "fast", or a dense method (zstd, qat)
     level: int = 1
 
+    # what a kind's YAML gets when it leaves a common key out (a subclass overrides these)
+    compressed_by_default: ClassVar[bool] = True
+    bounded: ClassVar[bool] = True  # False: the capacity is reported, not enforced (optional, may be 0)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TierConfig":
+        if cls is TierConfig and (args or "kind" in kwargs):
+            from kvshrink.store.tier_registry import config_class
+
+            cls = config_class(kwargs["kind"] if "kind" in kwargs else args[0])
+        return object.__new__(cls)
+
     @property
     def codec(self) -> str:
         """``raw``, ``fast`` or ``dense`` (:data:`TIER_CODECS`): what the ``codec`` key says."""
         return "raw" if not self.compressed else "fast" if self.method == "fast" else "dense"
-    # dram
-    shm_name: str = ""
-    hugepages: bool = False
-    mlock: bool = False
-    # ssd
-    path: str = ""
-    fsync: bool = True
-    # redis
-    url: str = ""
-    cluster: bool = False
-    ttl_s: float = 0.0
-    timeout_s: float = 0.5
-    retries: int = 1
-    namespace: str = "kvshrink"
+
+    @classmethod
+    def kind_keys(cls) -> frozenset[str]:
+        """The keys this kind adds to the common ones: its own dataclass fields."""
+        return frozenset(f.name for f in fields(cls)) - frozenset(f.name for f in fields(TierConfig))
+
+    @classmethod
+    def parse_kind_keys(cls, data: Mapping[str, Any], name: str, prefix: str) -> dict[str, Any]:
+        """This kind's own keys from one tier's YAML mapping (``name``: the tier's name; ``prefix``:
+        ``tiers[1]``, for messages), checked and converted; the keys left out keep their field
+        defaults. Each is checked by its field's type here (bool, int >= 0, number >= 0, str); a
+        kind overrides this to check more (call it first). Raises ConfigError naming the key;
+        TypeError for a field of another type, which its kind must check itself."""
+        out: dict[str, Any] = {}
+        types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(cls)}
+        for key in sorted(cls.kind_keys() & set(data)):
+            if types[key] not in _CHECK_BY_TYPE:
+                raise TypeError(f"{cls.__name__}.{key}: no generic check for type {types[key]}; "
+                                "check it in parse_kind_keys")
+            out[key] = _CHECK_BY_TYPE[types[key]](data[key], f"{prefix}.{key}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -142,22 +173,13 @@ class StoreConfig:
         return parse_store_config(source)
 
 
-_TIER_DEFAULTS = {"dram": {"compressed": False, "eviction": "lru"},
-                  "ssd": {"compressed": True, "eviction": "lru"},
-                  "redis": {"compressed": True, "eviction": "lru", "capacity": 0}}
-_KIND_ONLY_KEYS = {"dram": {"shm_name", "hugepages", "mlock"}, "ssd": {"path", "fsync"},
-                   "redis": {"url", "cluster", "ttl_s", "timeout_s", "retries", "namespace"}}
-_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_COMMON_TIER_KEYS = frozenset(f.name for f in fields(TierConfig)) | {"codec"}
 
 
 def parse_store_config(data: Any) -> StoreConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", f"expected a mapping with a 'tiers' list, got {type(data).__name__}")
-    # `fuse:` configures KV Fuse (kvshrink.fuse.server_module reads and validates it from the same file);
-    # the store itself does nothing with it, so only its shape is checked here
-    mapping_value(data.get("fuse"), "fuse")
-    reject_unknown([k for k in data if k != "fuse"],
-                   {"tiers", "engine", "promote_on_hit", "persist_on_close", "prefetch", "idle_demotion"})
+    reject_unknown(data, {"tiers", "engine", "promote_on_hit", "persist_on_close", "prefetch", "idle_demotion"})
     tiers_data = data.get("tiers")
     if not isinstance(tiers_data, list) or not tiers_data:
         raise ConfigError("tiers", "expected a non-empty list of tiers, fastest first")
@@ -200,31 +222,34 @@ def _parse_idle_demotion(data: Any) -> IdleDemotionConfig:
 
 
 def _parse_tier(data: Any, index: int) -> TierConfig:
+    """One tier: the common keys here, the kind's own by its config class (looked up, never named)."""
+    from kvshrink.store.tier_registry import config_class
+
     prefix = f"tiers[{index}]"
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping, got {type(data).__name__}")
-    kind = one_of(data.get("kind"), TIER_KINDS, f"{prefix}.kind")
-    common = {f.name for f in fields(TierConfig)} - set().union(*_KIND_ONLY_KEYS.values()) | {"codec"}
-    reject_unknown(data, common | _KIND_ONLY_KEYS[kind], prefix)
-    values = {**_TIER_DEFAULTS[kind], **data}
-    out: dict[str, Any] = {"kind": kind, "name": str(values.get("name", kind))}
-    if "capacity" not in values:
+    kind_config = config_class(data.get("kind"), f"{prefix}.kind")
+    reject_unknown(data, _COMMON_TIER_KEYS | kind_config.kind_keys(), prefix)
+    out: dict[str, Any] = {"kind": data["kind"], "name": str(data.get("name", data["kind"]))}
+    if "capacity" not in data and kind_config.bounded:
         raise ConfigError(f"{prefix}.capacity", "required: the most bytes this tier may hold (e.g. 4GiB)")
-    out["capacity"] = parse_size(values["capacity"], f"{prefix}.capacity")
-    if kind != "redis" and out["capacity"] == 0:
+    out["capacity"] = parse_size(data.get("capacity", 0), f"{prefix}.capacity")
+    if kind_config.bounded and out["capacity"] == 0:
         raise ConfigError(f"{prefix}.capacity", "must be greater than zero")
-    for key in ("compressed", "put", "write_back", "hugepages", "mlock", "fsync", "cluster"):
-        if key in values:
-            out[key] = bool_value(values[key], f"{prefix}.{key}")
-    out["eviction"] = one_of(str(values["eviction"]).lower(), EVICTION_POLICIES, f"{prefix}.eviction")
-    _parse_codec(data, values, out, prefix)
-    _parse_kind_specific(kind, values, out, prefix)
+    out["compressed"] = kind_config.compressed_by_default
+    for key in ("compressed", "put", "write_back"):
+        if key in data:
+            out[key] = bool_value(data[key], f"{prefix}.{key}")
+    out["eviction"] = one_of(str(data.get("eviction", TierConfig.eviction)).lower(), EVICTION_POLICIES,
+                             f"{prefix}.eviction")
+    _parse_codec(data, out, prefix)
+    out.update(kind_config.parse_kind_keys(data, out["name"], prefix))
     if index == 0 and out.get("write_back"):
         raise ConfigError(f"{prefix}.write_back", "the first tier cannot be a write-back target; use put: true")
-    return TierConfig(**out)
+    return kind_config(**out)
 
 
-def _parse_codec(data: Mapping[str, Any], values: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
+def _parse_codec(data: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
     """``codec`` (raw / fast / dense), ``method`` (dense only) and ``level`` into ``compressed``,
     ``method`` and ``level``; ``compressed`` (the older key) must agree with ``codec``."""
     if "method" in data:
@@ -240,33 +265,7 @@ def _parse_codec(data: Mapping[str, Any], values: Mapping[str, Any], out: dict[s
         if codec == "fast":
             out["method"] = "fast"
     method = out.get("method", TierConfig.method)
-    out["level"] = _level(values.get("level", TierConfig.level), method, f"{prefix}.level")
-
-
-def _parse_kind_specific(kind: str, values: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
-    if kind == "dram":
-        shm_name = str(values.get("shm_name") or f"kvshrink-{out['name']}")
-        if not _SHM_NAME_RE.match(shm_name):
-            raise ConfigError(f"{prefix}.shm_name", f"use letters, digits, '.', '_' or '-' only, got {shm_name!r}")
-        out["shm_name"] = shm_name
-    elif kind == "ssd":
-        if not values.get("path"):
-            raise ConfigError(f"{prefix}.path", "required: the directory that holds this tier's files")
-        out["path"] = str(Path(str(values["path"])).expanduser())
-    else:
-        url = str(values.get("url") or "")
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"{prefix}.url", f"expected a redis:// or rediss:// URL, got {url!r}")
-        out["url"] = _redis_url(url, f"{prefix}.url")
-        for key in ("ttl_s", "timeout_s"):
-            if key in values:
-                out[key] = number_value(values[key], f"{prefix}.{key}")
-        if out.get("timeout_s", 1.0) <= 0:
-            raise ConfigError(f"{prefix}.timeout_s", "must be > 0: a timeout is what turns an outage into a miss")
-        if "retries" in values:
-            out["retries"] = int_value(values["retries"], f"{prefix}.retries", minimum=0)
-        if "namespace" in values:
-            out["namespace"] = str(values["namespace"])
+    out["level"] = _level(data.get("level", TierConfig.level), method, f"{prefix}.level")
 
 
 def _level(value: Any, method: str, key: str) -> int:
@@ -278,28 +277,6 @@ def _level(value: Any, method: str, key: str) -> int:
         return validate_level(method, int_value(value, key))
     except ValueError as exc:
         raise ConfigError(key, str(exc)) from None
-
-
-def _redis_url(url: str, key: str) -> str:
-    """``url`` if redis-py can build a connection from it (parsed as ``Redis.from_url`` will);
-    the message names what is wrong but never echoes the URL, which may hold a password."""
-    import inspect
-
-    from redis.connection import Connection, parse_url
-
-    try:
-        options = parse_url(url)
-    except ValueError as exc:
-        raise ConfigError(key, f"not a valid Redis URL: {exc}") from None
-    connection_class = options.pop("connection_class", Connection)
-    accepted: set[str] = set()
-    for cls in connection_class.__mro__:
-        if "__init__" in cls.__dict__:
-            accepted |= set(inspect.signature(cls.__dict__["__init__"]).parameters)
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise ConfigError(key, f"unknown connection option(s) {unknown} in the URL's query string")
-    return url
 
 
 def _parse_engine(data: Any) -> EngineConfig:

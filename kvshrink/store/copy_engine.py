@@ -24,6 +24,7 @@ list before copying it, so a chunk the workers could not encode is refused by ``
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,9 +32,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvshrink.errors import KVShrinkError
 from kvshrink.store.config import EngineConfig
 from kvshrink.store.stats import ENGINE_COUNTERS, Counters
 from kvshrink.store.warm_heap import keep_freed_memory
+
+log = logging.getLogger(__name__)
 
 
 class StagingPool:
@@ -178,6 +182,24 @@ class CopyEngine:
         if isinstance(kv, np.ndarray):
             return kv if kv.flags.c_contiguous else None
         return kv if kv.device.type == "cpu" and kv.is_contiguous() and not kv.requires_grad else None
+
+    def schedule(self, job: Callable[..., Any], *args: Any) -> bool:
+        """Queue a background job; False (counted) when the background lane is full. A job that
+        fails is counted (``background_errors``) and, unless it is a KVShrinkError, logged."""
+        future = self.background.try_submit(job, *args)
+        if future is None:
+            self.counters.add("background_dropped")
+            return False
+        self.counters.add("background_jobs")
+        future.add_done_callback(self._count_background_failure)
+        return True
+
+    def _count_background_failure(self, future: Future) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self.counters.add("background_errors")
+            if not isinstance(exc, KVShrinkError):
+                log.error("background store job failed", exc_info=exc)
 
     def stats(self) -> dict[str, int]:
         from kvshrink.codec.cpu_budget import budget

@@ -34,18 +34,22 @@ import ctypes
 import errno
 import logging
 import mmap
+import re
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from kvshrink.errors import CorruptDataError, StoreUnavailableError
-from kvshrink.store.arena import SUPERBLOCK, Arena, Block, Room, block_size_for
+from kvshrink.errors import ConfigError, CorruptDataError, StoreUnavailableError
+from kvshrink.store.arena import SUPERBLOCK, Arena, Block, block_size_for
+from kvshrink.store.arena_space import Room
 from kvshrink.store.config import TierConfig
-from kvshrink.store.tier_base import Buffer, KeepVictims, LruIndex, Tier, TierFullError, Victim, wants_frame
+from kvshrink.store.dram_blocks import BlockTable
+from kvshrink.store.tier_base import Buffer, KeepVictims, Tier, TierFullError, Victim, wants_frame
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,28 @@ SHM_DIR = Path("/dev/shm")
 THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 _RESCAN_INTERVAL_S = 0.1
 _DOOMED_WAIT_S = 5.0  # longest a writer waits for a read of an evicted block to finish
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class DramTierConfig(TierConfig):
+    """A DRAM tier's own keys: the arena's file name in /dev/shm, and two page requests."""
+
+    shm_name: str = ""
+    hugepages: bool = False
+    mlock: bool = False
+
+    compressed_by_default = False
+
+    @classmethod
+    def parse_kind_keys(cls, data: Mapping[str, Any], name: str, prefix: str) -> dict[str, Any]:
+        out = super().parse_kind_keys(data, name, prefix)
+        shm_name = str(data.get("shm_name") or f"kvshrink-{name}")
+        if not _SHM_NAME_RE.match(shm_name):
+            raise ConfigError(f"{prefix}.shm_name", f"use letters, digits, '.', '_' or '-' only, got {shm_name!r}")
+        out["shm_name"] = shm_name
+        return out
 
 
 def _warn_once(topic: str, message: str, *args: object) -> None:
@@ -62,14 +87,16 @@ def _warn_once(topic: str, message: str, *args: object) -> None:
         log.warning(message, *args)
 
 
-def arena_path(config: TierConfig) -> Path:
+def arena_path(config: DramTierConfig) -> Path:
     return SHM_DIR / config.shm_name
 
 
 class DramTier(Tier):
     kind = "dram"
+    config_class = DramTierConfig
+    config: DramTierConfig
 
-    def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None,
+    def __init__(self, config: DramTierConfig, is_pinned: Callable[[bytes], bool] | None = None,
                  *, readonly: bool = False) -> None:
         super().__init__(config, is_pinned)
         self.readonly = readonly
@@ -83,15 +110,11 @@ class DramTier(Tier):
         except CorruptDataError as exc:
             raise CorruptDataError(f"tier {self.name}: {exc}") from exc
         self.capacity_bytes = self._arena.size - SUPERBLOCK
-        self.hugepages = self._advise_hugepages() if config.hugepages else False
-        self.mlocked = self._mlock() if config.mlock and not readonly else False
+        self.hugepages = _advise_hugepages(self._arena.mm) if config.hugepages else False
+        self.mlocked = _mlock(self._arena.mm, self._arena.size) if config.mlock and not readonly else False
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a block evicted while being read came back
-        self._blocks: dict[bytes, Block] = {}
-        self._frame_bytes = 0  # sum of frame_len over _blocks, kept with it under _lock (usage())
-        self._lru = LruIndex(config.eviction)
-        self._readers: dict[int, int] = {}  # block offset -> threads decoding from it
-        self._doomed: dict[int, int] = {}  # removed while read (offset -> size): freed by the last reader
+        self._table = BlockTable(self._arena, config.eviction, self._count_damage)  # under _lock
         self._scanned_at = 0.0
         self._load()
 
@@ -103,39 +126,13 @@ class DramTier(Tier):
             log.warning("tier %s: arena %s had %d damaged block header(s) (offsets %s); their space is free "
                         "again and their chunks are dropped", self.name, self.path, len(self._arena.damaged),
                         self._arena.damaged[:8])
-        self._blocks = {b.key: b for b in blocks}
-        self._frame_bytes = sum(b.frame_len for b in self._blocks.values())
-        self._lru = LruIndex(self.config.eviction)
-        for block in blocks:  # oldest first: insertion order is the best LRU guess after a restart
-            self._lru.add(block.key, block.size)
+        self._table.load(blocks)
         self._scanned_at = time.monotonic()
 
-    def _advise_hugepages(self) -> bool:
-        policy = THP_SHMEM.read_text().split("[")[-1].split("]")[0] if THP_SHMEM.exists() else "absent"
-        try:
-            self._arena.mm.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError) as exc:
-            _warn_once("hugepages", "DRAM tier: huge pages refused (%s); using normal pages", exc)
-            return False
-        if policy not in ("always", "within_size", "advise", "force"):
-            _warn_once("hugepages", "DRAM tier: huge pages refused by the kernel (shmem_enabled=%s); "
-                       "using normal pages", policy)
-            return False
-        return True
-
-    def _mlock(self) -> bool:
-        libc = ctypes.CDLL(None, use_errno=True)
-        anchor = ctypes.c_char.from_buffer(self._arena.mm)
-        try:
-            rc = libc.mlock(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(self._arena.size))
-        finally:
-            del anchor
-        if rc != 0:
-            err = ctypes.get_errno()
-            _warn_once("mlock", "DRAM tier: mlock of %d bytes refused (%s); pages may be swapped out",
-                       self._arena.size, errno.errorcode.get(err, err))
-            return False
-        return True
+    @property
+    def _blocks(self) -> dict[bytes, Block]:
+        """key -> the committed block holding it (the table's own dict: read it under the lock)."""
+        return self._table.blocks
 
     # -- Tier -------------------------------------------------------------------------------------
     def plan_eviction(self, key: bytes, frame_len: int) -> list[bytes]:
@@ -166,7 +163,7 @@ class DramTier(Tier):
         with self._freed:
             reading: set[int] = set()  # offsets we freed whose space returns when a read ends
             while (block := self._arena.allocate(key, frame_len)) is None:
-                if reading & self._doomed.keys():
+                if reading & self._table.doomed.keys():
                     # wait for those reads rather than evict more than plan_eviction promised
                     if not self._freed.wait(_DOOMED_WAIT_S):
                         reading.clear()  # a read that slow: make room elsewhere instead
@@ -174,7 +171,7 @@ class DramTier(Tier):
                 room = self._arena.room_for(len(key), frame_len, self._candidates_locked(key, evict_first),
                                           cheap=key)
                 if not room.blocks:  # no room can be made (fits with nothing to free: allocate would not fail)
-                    if self._doomed and self._freed.wait(_DOOMED_WAIT_S):
+                    if self._table.doomed and self._freed.wait(_DOOMED_WAIT_S):
                         continue  # a read of an evicted block ended: its space is back
                     raise self._count_write_error(key, TierFullError(self._no_room_locked(key, frame_len, room)))
                 for planned in room.blocks:
@@ -182,11 +179,7 @@ class DramTier(Tier):
                         reading.add(planned.offset)
         self._arena.commit(block, frame)  # outside the lock: the block is invisible until indexed
         with self._lock:
-            if key in self._blocks:  # the old copy, when room was made without freeing it
-                self._remove_locked(key)
-            self._blocks[key] = block
-            self._frame_bytes += block.frame_len
-            self._lru.add(key, block.size)
+            self._table.add(key, block)  # frees the old copy, when room was made without freeing it
         self.counters.add("puts")
         self.counters.add("put_bytes", frame_len)
         return victims
@@ -209,9 +202,9 @@ class DramTier(Tier):
         with self._lock:
             block = self._lookup_locked(key)
             if block is not None:
-                self._readers[block.offset] = self._readers.get(block.offset, 0) + 1
+                self._table.start_read(block)
                 if touch:
-                    self._lru.touch(key)
+                    self._table.lru.touch(key)
         if block is None:
             yield None
             return
@@ -219,7 +212,8 @@ class DramTier(Tier):
             yield block
         finally:
             with self._lock:
-                self._release_reader_locked(block.offset)
+                if self._table.end_read(block.offset):
+                    self._freed.notify_all()
 
     @contextmanager
     def _open_frame(self, key: bytes, touch: bool = True) -> Iterator[Buffer | None]:
@@ -254,10 +248,8 @@ class DramTier(Tier):
             self.delete(key)
             return
         with self._lock:  # a reader cannot free the owner's block; it stops looking at it
-            block = self._blocks.pop(key, None)
-            if block is not None:
-                self._frame_bytes -= block.frame_len
-            self._lru.pop(key)
+            if key in self._table.blocks:
+                self._table.forget(key)
 
     def _verified(self, key: bytes) -> bool:
         return not self.readonly or self._still_current(key)
@@ -266,9 +258,9 @@ class DramTier(Tier):
         if self.readonly:
             raise StoreUnavailableError(f"tier {self.name}: attached read-only")
         with self._lock:
-            if key not in self._blocks:
+            if key not in self._table.blocks:
                 return False
-            self._remove_locked(key)
+            self._table.remove(key)
             return True
 
     def contains(self, key: bytes) -> bool:
@@ -277,12 +269,12 @@ class DramTier(Tier):
 
     def keys(self) -> list[bytes]:
         with self._lock:
-            return self._lru.keys()
+            return self._table.lru.keys()
 
     def usage(self) -> tuple[int, int]:
         """(frame bytes, chunks): a running total, O(1), since a prefetch hint is sized by it."""
         with self._lock:
-            return self._frame_bytes, len(self._blocks)
+            return self._table.frame_bytes, len(self._table.blocks)
 
     def extra_stats(self) -> dict[str, Any]:
         return {"hugepages": self.hugepages, "mlocked": self.mlocked, "path": str(self.path)}
@@ -291,10 +283,9 @@ class DramTier(Tier):
         if self._arena is None:
             return  # closed already
         with self._lock:
-            if self._readers:
-                raise StoreUnavailableError(f"tier {self.name}: close() while {len(self._readers)} reads run")
-            self._blocks.clear()
-            self._frame_bytes = 0
+            if self._table.readers:
+                raise StoreUnavailableError(f"tier {self.name}: close() while {len(self._table.readers)} reads run")
+            self._table.load([])
         self._arena.close()  # closing the fd also releases the owner flock
         self._arena = None
 
@@ -305,21 +296,21 @@ class DramTier(Tier):
 
     # -- helpers (call with self._lock held) ----------------------------------------------------
     def _lookup_locked(self, key: bytes) -> Block | None:
-        block = self._blocks.get(key)
+        block = self._table.blocks.get(key)
         if not self.readonly:
             return block
         if block is not None and not self._arena.still_holds(block):
             block = None  # freed or rewritten by the owner since our last look
         if block is None and time.monotonic() - self._scanned_at > _RESCAN_INTERVAL_S:
             self._load()  # the owner may have written it (again) since our last look
-            block = self._blocks.get(key)
+            block = self._table.blocks.get(key)
             if block is not None and not self._arena.still_holds(block):
                 return None
         return block
 
     def _still_current(self, key: bytes) -> bool:
         with self._lock:
-            block = self._blocks.get(key)
+            block = self._table.blocks.get(key)
             return block is not None and self._arena.still_holds(block)
 
     def _candidates_locked(self, key: bytes, evict_first: Sequence[bytes]) -> Iterator[Block]:
@@ -327,12 +318,12 @@ class DramTier(Tier):
         being replaced; freeing it often makes the room in place), then ``evict_first``, then
         the rest oldest first. Pinned chunks are never candidates, except a pinned old copy of
         ``key`` as the last one: the write replaces it anyway once committed."""
-        old = self._blocks.get(key)
+        old = self._table.blocks.get(key)
         old_pinned = old is not None and self.is_pinned(key)
         if old is not None and not old_pinned:
             yield old
-        for victim in self._lru.oldest(self.is_pinned, exclude=key, first=evict_first):
-            yield self._blocks[victim]
+        for victim in self._table.lru.oldest(self.is_pinned, exclude=key, first=evict_first):
+            yield self._table.blocks[victim]
         if old is not None and old_pinned:
             yield old
 
@@ -342,47 +333,56 @@ class DramTier(Tier):
         victim, with its frame when asked), the old copy of ``key`` is not. Returns whether a
         read still holds the block (its space comes back when that read ends)."""
         if block.key == key:
-            self._remove_locked(key)
+            self._table.remove(key)
         else:
             kept = bytes(self._arena.payload(block)) if wants_frame(keep_victims, block.key) else None
-            self._remove_locked(block.key)
+            self._table.remove(block.key)
             self.counters.add("evictions")
             victims.append(Victim(block.key, kept))
-        return block.offset in self._doomed
+        return block.offset in self._table.doomed
 
     def _no_room_locked(self, key: bytes, frame_len: int, room: Room) -> str:
         """Why no room can be made for this frame, in sizes."""
-        pinned = [b.size for k, b in self._blocks.items() if k != key and self.is_pinned(k)]
+        pinned = [b.size for k, b in self._table.blocks.items() if k != key and self.is_pinned(k)]
         return (f"tier {self.name}: no room for a {frame_len}-byte frame "
                 f"({block_size_for(len(key), frame_len)}-byte block) in an arena of {self.capacity_bytes} "
                 f"bytes: the largest free hole is {self._arena.largest_free()} bytes and evicting every "
                 f"unpinned chunk would make one of {room.largest} bytes at most; {sum(pinned)} bytes are "
-                f"pinned ({len(pinned)} chunks), {sum(self._doomed.values())} bytes await the end of "
+                f"pinned ({len(pinned)} chunks), {sum(self._table.doomed.values())} bytes await the end of "
                 f"reads of evicted chunks")
 
-    def _remove_locked(self, key: bytes) -> None:
-        block = self._blocks.pop(key)
-        self._frame_bytes -= block.frame_len
-        self._lru.pop(key)
-        if block.offset in self._readers:
-            self._doomed[block.offset] = block.size
-        else:
-            self._free_locked(block.offset, block.size)
+    def _count_damage(self, offset: int) -> None:
+        self.counters.add("quarantined")
+        log.warning("tier %s: arena %s: the header of the block at offset %d was damaged while in use; "
+                    "freed by its indexed size", self.name, self.path, offset)
 
-    def _free_locked(self, offset: int, size: int) -> None:
-        """Free by the size this process indexed (the file's header may have been scribbled on
-        since: the arena checks it, and a damaged one is counted and rewritten)."""
-        if not self._arena.free(offset, size):
-            self.counters.add("quarantined")
-            log.warning("tier %s: arena %s: the header of the block at offset %d was damaged while in use; "
-                        "freed by its indexed size", self.name, self.path, offset)
 
-    def _release_reader_locked(self, offset: int) -> None:
-        remaining = self._readers[offset] - 1
-        if remaining:
-            self._readers[offset] = remaining
-            return
-        del self._readers[offset]
-        if offset in self._doomed:
-            self._free_locked(offset, self._doomed.pop(offset))
-            self._freed.notify_all()
+def _advise_hugepages(mm: mmap.mmap) -> bool:
+    """Ask for huge pages on the shared mapping; False (said once in the log) when refused."""
+    policy = THP_SHMEM.read_text().split("[")[-1].split("]")[0] if THP_SHMEM.exists() else "absent"
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as exc:
+        _warn_once("hugepages", "DRAM tier: huge pages refused (%s); using normal pages", exc)
+        return False
+    if policy not in ("always", "within_size", "advise", "force"):
+        _warn_once("hugepages", "DRAM tier: huge pages refused by the kernel (shmem_enabled=%s); "
+                   "using normal pages", policy)
+        return False
+    return True
+
+
+def _mlock(mm: mmap.mmap, size: int) -> bool:
+    """Lock the mapping's pages in RAM; False (said once in the log) when refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        rc = libc.mlock(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size))
+    finally:
+        del anchor
+    if rc != 0:
+        err = ctypes.get_errno()
+        _warn_once("mlock", "DRAM tier: mlock of %d bytes refused (%s); pages may be swapped out",
+                   size, errno.errorcode.get(err, err))
+        return False
+    return True

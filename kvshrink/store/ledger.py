@@ -12,15 +12,12 @@ or given up; the ledger never modifies it. What it knows lives in this process o
 
 from __future__ import annotations
 
+import itertools
 import threading
-import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
-
-PUMP_RETRY_S = 1.0  # after a remote tier refused a parked chunk, the next try waits this long (or a flush)
-
 
 @dataclass(eq=False)
 class Move:
@@ -86,8 +83,6 @@ class CopyLedger:
         self._superseding: Counter[bytes] = Counter()
         self.parked: dict[bytes, Parked] = {}  # oldest first
         self.parked_bytes = 0
-        self._pumping = False  # a job landing parked chunks is queued or running
-        self._pump_failed_at = -PUMP_RETRY_S
         self.stale: dict[int, set[bytes]] = {t: set() for t in remote}
         self.backed: dict[int, set[bytes]] = {t: set() for t in remote}
         self.moved = 0  # chunks moved up or unparked: a read that missed while it changed looks again
@@ -97,7 +92,7 @@ class CopyLedger:
     def begin(self, key: bytes) -> Move:
         """Register a copy of ``key`` about to read its frame; call :meth:`end` when done."""
         with self._cv:
-            return self._register(key, self._superseding[key] > 0)
+            return _register(self._moves, key, self._superseding[key] > 0)
 
     def begin_victims(self) -> Move:
         """A move for the victims a tier write is about to evict (their keys are known after it)."""
@@ -109,7 +104,7 @@ class CopyLedger:
     def adopt(self, victims: Move, key: bytes) -> Move:
         """The move of victim ``key`` of ``victims``: doomed if the key was superseded since."""
         with self._cv:
-            return self._register(key, key in victims.superseded or self._superseding[key] > 0)
+            return _register(self._moves, key, key in victims.superseded or self._superseding[key] > 0)
 
     def end(self, move: Move | None) -> None:
         """The copy is done (landed, abandoned or failed); ending a move twice is harmless."""
@@ -119,19 +114,7 @@ class CopyLedger:
             if move.key is None:
                 self._open_victims.remove(move)
             else:
-                self._end_locked(move)
-
-    def _end_locked(self, move: Move) -> None:
-        moves = self._moves.get(move.key, [])
-        if move in moves:
-            moves.remove(move)
-        if not moves:
-            self._moves.pop(move.key, None)
-
-    def _register(self, key: bytes, doomed: bool) -> Move:
-        move = Move(key, doomed)
-        self._moves.setdefault(key, []).append(move)
-        return move
+                _unregister(self._moves, move)
 
     @contextmanager
     def landing(self, move: Move | None, key: bytes, index: int) -> Iterator[bool]:
@@ -217,6 +200,8 @@ class CopyLedger:
             self.stale[index].difference_update(keys)
 
     def forget_backed(self, index: int, key: bytes) -> None:
+        """Remote tier ``index`` may still hold the current value of ``key``, but no local copy
+        is left whose eviction could rely on it: the next demotion writes it there again."""
         with self._cv:
             self.backed[index].discard(key)
 
@@ -238,7 +223,7 @@ class CopyLedger:
         if entry is not None:
             self.parked_bytes -= entry.size
             if end and entry.move is not None:
-                self._end_locked(entry.move)
+                _unregister(self._moves, entry.move)
         return entry
 
     def recall(self, key: bytes, target: int) -> None:
@@ -254,31 +239,17 @@ class CopyLedger:
             self.stale[target].add(key)
             self.backed[target].discard(key)
 
-    def oldest_parked(self) -> tuple[bytes, Parked] | None:
+    def parked_entries(self, index: int | None = None, limit: int | None = None) -> list[tuple[bytes, Parked]]:
+        """The parked chunks (bound for tier ``index`` when given), oldest first, ``limit`` at most."""
         with self._cv:
-            return next(iter(self.parked.items()), None)
+            entries = ((k, e) for k, e in self.parked.items() if index is None or e.target == index)
+            return list(itertools.islice(entries, limit))
 
     def unpark(self, key: bytes, entry: Parked) -> None:
         with self._cv:
             if self.parked.get(key) is entry:
                 self._pop_locked(key)
                 self.moved += 1
-
-    def claim_pump(self, force: bool) -> bool:
-        """Whether the caller should queue the pump: chunks are parked, none is queued, and the
-        last refusal is not too recent (``force``: try anyway)."""
-        with self._cv:
-            recent = time.monotonic() - self._pump_failed_at < PUMP_RETRY_S
-            if self._pumping or not self.parked or (recent and not force):
-                return False
-            self._pumping = True
-            return True
-
-    def release_pump(self, failed: bool) -> None:
-        with self._cv:
-            self._pumping = False
-            if failed:
-                self._pump_failed_at = time.monotonic()
 
     def parked_frame(self, key: bytes, index: int | None = None) -> bytes | None:
         """The parked frame of ``key`` (bound for tier ``index`` when given), or None."""
@@ -287,10 +258,6 @@ class CopyLedger:
         if entry is None or (index is not None and entry.target != index):
             return None
         return entry.frame
-
-    def parked_keys(self, index: int) -> list[bytes]:
-        with self._cv:
-            return [k for k, e in self.parked.items() if e.target == index]
 
     def note_moved(self) -> None:
         with self._cv:
@@ -318,3 +285,19 @@ class CopyLedger:
                 return False
             self._cv.wait_for(lambda: not self._evicting[key], timeout)
             return True
+
+
+def _register(moves: dict[bytes, list[Move]], key: bytes, doomed: bool) -> Move:
+    """A new move of ``key`` entered in ``moves`` (call with the ledger's condition held)."""
+    move = Move(key, doomed)
+    moves.setdefault(key, []).append(move)
+    return move
+
+
+def _unregister(moves: dict[bytes, list[Move]], move: Move) -> None:
+    """``move`` taken out of ``moves``, if it is there (call with the ledger's condition held)."""
+    registered = moves.get(move.key, [])
+    if move in registered:
+        registered.remove(move)
+    if not registered:
+        moves.pop(move.key, None)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvshrink.errors import ConfigError, StoreUnavailableError
 from kvshrink.store.config import TierConfig
@@ -31,10 +32,57 @@ from kvshrink.store.tier_base import Buffer, KeepVictims, Tier, Victim
 log = logging.getLogger(__name__)
 
 
-def connect(config: TierConfig) -> Any:
+@dataclass(frozen=True)
+class RedisTierConfig(TierConfig):
+    """A Redis tier's own keys. ``capacity`` is optional here (Redis's ``maxmemory`` bounds it)."""
+
+    url: str = ""
+    cluster: bool = False
+    ttl_s: float = 0.0
+    timeout_s: float = 0.5
+    retries: int = 1
+    namespace: str = "kvshrink"
+
+    bounded = False
+
+    @classmethod
+    def parse_kind_keys(cls, data: Mapping[str, Any], name: str, prefix: str) -> dict[str, Any]:
+        out = super().parse_kind_keys(data, name, prefix)
+        url = str(data.get("url") or "")
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"{prefix}.url", f"expected a redis:// or rediss:// URL, got {url!r}")
+        out["url"] = _checked_url(url, f"{prefix}.url")
+        if out.get("timeout_s", 1.0) <= 0:
+            raise ConfigError(f"{prefix}.timeout_s", "must be > 0: a timeout is what turns an outage into a miss")
+        return out
+
+
+def _checked_url(url: str, key: str) -> str:
+    """``url`` if redis-py can build a connection from it (parsed as ``Redis.from_url`` will);
+    the message names what is wrong but never echoes the URL, which may hold a password."""
+    import inspect
+
+    from redis.connection import Connection, parse_url
+
+    try:
+        options = parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(key, f"not a valid Redis URL: {exc}") from None
+    connection_class = options.pop("connection_class", Connection)
+    accepted: set[str] = set()
+    for cls in connection_class.__mro__:
+        if "__init__" in cls.__dict__:
+            accepted |= set(inspect.signature(cls.__dict__["__init__"]).parameters)
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ConfigError(key, f"unknown connection option(s) {unknown} in the URL's query string")
+    return url
+
+
+def connect(config: RedisTierConfig) -> Any:
     """A redis-py client for ``config.url`` with timeouts and a bounded, backed-off retry; a URL
     redis-py cannot parse raises :class:`~kvshrink.errors.ConfigError` (config.py checks it at
-    load, this covers a TierConfig built by hand)."""
+    load, this covers a config built by hand)."""
     import redis
     from redis.backoff import ExponentialWithJitterBackoff
     from redis.retry import Retry
@@ -56,9 +104,10 @@ def connect(config: TierConfig) -> Any:
 
 class RedisTier(Tier):
     kind = "redis"
-    batch_reads = True
+    config_class = RedisTierConfig
+    config: RedisTierConfig
 
-    def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
+    def __init__(self, config: RedisTierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
         super().__init__(config, is_pinned)
         from redis.exceptions import RedisClusterException, RedisError
 
@@ -82,6 +131,10 @@ class RedisTier(Tier):
                 if self._made is None:
                     self._made = connect(self.config)
         return self._made
+
+    @property
+    def is_remote(self) -> bool:
+        return True
 
     def _k(self, key: bytes) -> bytes:
         return self._prefix + key

@@ -28,8 +28,11 @@ import os
 import struct
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+
+from kvshrink.store.tier_base import LruIndex
 
 RECORD = struct.Struct("<IBIQ")
 PUT, DELETE = 1, 2
@@ -161,3 +164,51 @@ class IndexLog:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+class ChunkIndex:
+    """The SSD tier's live index: key -> file size in eviction order, every change appended to
+    ``index.log`` (:class:`IndexLog`) and compacted as the log grows.
+
+    Not thread-safe: the tier calls it under its lock. A failed append (disk full) goes to
+    ``on_error`` (the tier counts and logs it) and sets ``incomplete``: the files stay right, so
+    does the entry in memory, and the tier writes no clean-close marker, so the next open rescans.
+    """
+
+    def __init__(self, path: Path, eviction: str, on_error: Callable[[OSError], None]) -> None:
+        self.log = IndexLog(path)
+        self.lru = LruIndex(eviction)
+        self.lru.load(self.log.recovered)
+        del self.log.recovered
+        self.on_error = on_error
+        self.incomplete = False
+        # keys an untrusted index names whose file nobody has seen yet: a crash or a damaged index
+        # may name files that are gone (a lost DELETE record, an older copy of the index restored)
+        self.unverified: set[bytes] = set()
+
+    def record(self, op: int, key: bytes, size: int) -> None:
+        """Append a PUT or DELETE record; compact when the records outgrow the live chunks."""
+        try:
+            self.log.append(op, key, size)
+            if self.log.should_compact(len(self.lru)):
+                self.compact()
+        except OSError as exc:
+            self.incomplete = True
+            self.on_error(exc)
+
+    def add(self, key: bytes, size: int) -> None:
+        """A complete file of ``key`` is in place: index it (its file is seen, so verified)."""
+        self.lru.add(key, size)
+        self.unverified.discard(key)
+        self.record(PUT, key, size)
+
+    def forget(self, key: bytes) -> bool:
+        """Drop the entry of ``key`` (its file is gone or quarantined) and record it; whether there was one."""
+        if self.lru.pop(key) is None:
+            return False
+        self.record(DELETE, key, 0)
+        return True
+
+    def compact(self) -> None:
+        """Rewrite the log as one snapshot of the live entries (OSError propagates)."""
+        self.log.compact(self.lru.items())

@@ -88,10 +88,12 @@ def _never_pinned(key: bytes) -> bool:
 
 
 class Tier(ABC):
-    """Base class: subclasses implement frame storage; decoding and quarantine live here."""
+    """Base class: subclasses implement frame storage; decoding and quarantine live here. A kind
+    sets ``kind`` and, when it has keys of its own, ``config_class``; one registration line makes
+    store YAML reach it (:mod:`kvshrink.store.tier_registry`)."""
 
     kind: str = ""
-    batch_reads = False  # True: fetch_frames() reads many keys in one round trip
+    config_class: type[TierConfig] = TierConfig  # holds and checks this kind's own config keys
     device_reads = False  # True: a read waits for a device (SSD): reads beside decodes keep the cores busy
 
     def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
@@ -101,6 +103,18 @@ class Tier(ABC):
         self.capacity_bytes = config.capacity
         self.is_pinned = is_pinned or _never_pinned
         self.counters = Counters(TIER_COUNTERS)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the tier is shared over the network (Redis): every call is a round trip and
+        may fail with an outage. The store reads such a tier key by key on purpose (each chunk
+        decoded as it arrives), and parks chunks bound for it instead of writing them inline."""
+        return False
+
+    @property
+    def batch_reads(self) -> bool:
+        """Deprecated name of :attr:`is_remote`."""
+        return self.is_remote
 
     # -- what a tier implements -------------------------------------------------------------------
     @abstractmethod
@@ -208,11 +222,13 @@ class Tier(ABC):
             return None if frame is None else bytes(frame)
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        """``contains`` for many keys; remote tiers answer in one round trip."""
+        """``contains`` for many keys; a remote tier pipelines them (Redis: per master in a cluster)."""
         return [self.contains(k) for k in keys]
 
     def fetch_frames(self, keys: list[bytes]) -> list[Buffer | None]:
-        """Raw frames of many keys; tiers with ``batch_reads`` do it in one round trip."""
+        """Raw frames of many keys, None for a miss; a remote tier asks for them in batches (Redis:
+        one MGET, per master in a cluster). The store's reads pass one key at a time, so that
+        each chunk decodes as it arrives (see :attr:`is_remote`)."""
         return [self.read_frame(k) for k in keys]
 
     def quarantine(self, key: bytes, reason: str) -> None:

@@ -20,7 +20,7 @@ from kvshrink.codec.cpu_budget import budget
 from kvshrink.configs import default_store_path
 from kvshrink.store import StoreConfig, TieredStore
 from kvshrink.store import ssd as ssd_module
-from kvshrink.store.ssd import _sync_filesystem
+from kvshrink.store.ssd_files import sync_filesystem as _sync_filesystem
 from test_store_reliability import ROOT, WRITER
 
 MiB = 2**20
