@@ -33,10 +33,10 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
   0 bit in the result (LMCache then recomputes that chunk), never an exception.
 * Stored / accessed / deleted keys go through ``_notify_keys_*`` so LMCache's events, usage and
   metrics see them. LMCache only knows what this process told it, so the adapter keeps the set
-  of keys it announced as stored (with their sizes) and tells LMCache ``deleted`` exactly once
-  per announcement, whichever way the chunk went: ``delete()``, the store's own eviction or
-  quarantine (its drop listener), or a lookup / load that finds an announced key missing (e.g.
-  Redis evicted it). Both announcements re-check the store under one lock, so racing stores,
+  of keys it announced as stored (:mod:`~kvshrink.storage_backends.announced_keys`) and tells
+  LMCache ``deleted`` exactly once per announcement, whichever way the chunk went: ``delete()``,
+  the store's own eviction or quarantine (its drop listener), or a lookup / load that finds an
+  announced key missing (e.g. Redis evicted it). Both announcements re-check the store under one lock, so racing stores,
   evictions and deletes never leave LMCache believing the opposite of the store. A store of a
   key the store already holds (left by an earlier server process) announces it without
   rewriting it. Notifiers run on whichever thread saw the change (LMCache's caller, a task
@@ -58,22 +58,20 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
-from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
+from kvshrink.storage_backends.announced_keys import AnnouncedKeys
 from kvshrink.storage_backends.keys import decode_object_key, encode_object_key, is_object_key
 from kvshrink.storage_backends.memory_objs import chunk_tensor
-from kvshrink.storage_backends.store_setup import file_key_prefix, load_store_config, open_store, warm_codec
+from kvshrink.storage_backends.mp_adapter_config import DEFAULT_WORKERS, PARAMS_PREFIX, KVShrinkL2AdapterConfig
+from kvshrink.storage_backends.store_setup import file_key_prefix, open_store, warm_codec
 from kvshrink.storage_backends.task_channels import L2TaskRunner, when_all_done
-from kvshrink.storage_backends.tier_reporter import (REPORTER_KEYS, ReporterSettings, TierReporter, media_of,
-                                                     subscribe_tokens)
+from kvshrink.storage_backends.tier_reporter import TierReporter, media_of, subscribe_tokens
 
 if TYPE_CHECKING:
     from lmcache.lmcache_native import Bitmap
@@ -81,62 +79,15 @@ if TYPE_CHECKING:
     from lmcache.v1.distributed.internal_api import L2StoreResult
     from lmcache.v1.memory_management import MemoryObj
 
-    from kvshrink.store import StoreConfig
-
+__all__ = ["DEFAULT_WORKERS", "KVShrinkL2Adapter", "KVShrinkL2AdapterConfig", "live_adapters"]
 log = logging.getLogger(__name__)
 
-PARAMS_PREFIX = "adapter_params."
-DEFAULT_WORKERS = 4
-_ALLOWED_PARAMS = {"config", "store", "workers", *REPORTER_KEYS}
 _LIVE: "weakref.WeakSet[KVShrinkL2Adapter]" = weakref.WeakSet()
 
 
 def live_adapters() -> list["KVShrinkL2Adapter"]:
     """The adapters of this process that are open (for the prefetch-hint server module)."""
     return [a for a in list(_LIVE) if not a._closed]
-
-
-class KVShrinkL2AdapterConfig(L2AdapterConfigBase):
-    """Validated ``adapter_params``: where the store config comes from, worker threads, and
-    which index to report tiers to (None: none)."""
-
-    def __init__(self, store_source: "str | Mapping[str, Any]", store_config: "StoreConfig",
-                 workers: int = DEFAULT_WORKERS, reporter: ReporterSettings | None = None) -> None:
-        self.store_source = store_source
-        self.store_config = store_config
-        self.workers = workers
-        self.reporter = reporter
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "KVShrinkL2AdapterConfig":
-        from kvshrink.config_checks import mapping_value, workers_value
-
-        d = mapping_value(d, PARAMS_PREFIX.rstrip("."), _ALLOWED_PARAMS)
-        if ("config" in d) == ("store" in d):
-            raise ConfigError(f"{PARAMS_PREFIX}config",
-                              "give exactly one of 'config' (a store YAML path) or 'store' (the mapping inline)")
-        if "config" in d:
-            source = d["config"]
-            if not isinstance(source, str) or not source:
-                raise ConfigError(f"{PARAMS_PREFIX}config", f"expected a path to a store YAML file, got {source!r}")
-            store_config = load_store_config(source, file_key_prefix(source), f"{PARAMS_PREFIX}config")
-        else:
-            source = d["store"]
-            store_config = load_store_config(source, f"{PARAMS_PREFIX}store.", f"{PARAMS_PREFIX}store")
-        workers = workers_value(d.get("workers", DEFAULT_WORKERS), f"{PARAMS_PREFIX}workers")
-        return cls(source, store_config, workers, ReporterSettings.from_params(d, PARAMS_PREFIX))
-
-    @classmethod
-    def help(cls) -> str:
-        return ("KVShrink L2 adapter params:\n"
-                "- config (str): path to a KVShrink store YAML (tiers: dram / ssd / redis), or\n"
-                "- store (dict): the same mapping inline\n"
-                "- workers (int): threads running submitted tasks (default 4)\n"
-                "- index_url (str): report each chunk's tier to this KVShrink index (default: off)\n"
-                "- index_instance_id (str): the id the index knows this server's engine by (with index_url)\n"
-                "- index_flush_interval (float): seconds between tier reports (default 0.5)\n"
-                "- index_max_pending (int): chunks waiting to be reported before notices are dropped "
-                "(default 65536)")
 
 
 class KVShrinkL2Adapter(L2AdapterInterface):
@@ -168,13 +119,9 @@ class KVShrinkL2Adapter(L2AdapterInterface):
                 self._reporter.close(0.0)
             self._store.close()  # release the SSD directory lock and the arena for the next attempt
             raise
-        # store key -> (LMCache key, raw bytes) of every chunk LMCache was told is stored and not
-        # yet told is deleted; guarded by _report_lock, which also orders the notifications
-        self._announced: dict[bytes, tuple["ObjectKey", int]] = {}
-        self._report_lock = threading.RLock()
-        self._report_errors: Counter[str] = Counter()  # notifier failures on the lookup / load paths
+        self._announced = AnnouncedKeys(self._store, self._notify_keys_stored, self._notify_keys_deleted)
         self._closed = False
-        self._store.add_drop_listener(self._announce_gone)
+        self._store.add_drop_listener(self._announced.gone)
         if self._reporter is not None:
             self._store.add_placement_listener(self._reporter.notify)
         self._collector = _register_metrics(self._store)
@@ -227,49 +174,11 @@ class KVShrinkL2Adapter(L2AdapterInterface):
 
         def settle(_: Any) -> L2StoreResult:
             stored = [(key, skey, size) for key, skey, size, fut in started if _put_succeeded(fut)]
-            new = self._announce_stored(stored + present)
+            new = self._announced.stored(stored + present)
             written = {skey for _, skey, _ in stored}
             return L2StoreResult(len(stored) == len(started), sum(s for _, k, s in new if k in written))
 
         return _then(when_all_done([f for *_, f in started]), settle)
-
-    def _announce_stored(self, entries: list[tuple["ObjectKey", bytes, int]]) -> list[tuple["ObjectKey", bytes, int]]:
-        """Tell LMCache about the chunks in ``entries`` it has not been told about and the store
-        still holds (one evicted before we got here is not announced); return those."""
-        with self._report_lock:  # a key stored by two racing tasks is announced once
-            fresh = list({skey: (key, skey, size) for key, skey, size in entries
-                          if skey not in self._announced}.values())
-            if not fresh:
-                return []
-            fresh = [e for e, held in zip(fresh, self._store.contains_many([e[1] for e in fresh])) if held]
-            self._announced.update((skey, (key, size)) for key, skey, size in fresh)
-            if fresh:
-                self._notify_keys_stored([k for k, _, _ in fresh], [s for _, _, s in fresh])
-            return fresh
-
-    def _announce_gone(self, store_keys: list[bytes]) -> None:
-        """Tell LMCache ``deleted`` for the announced keys among ``store_keys`` that the store no
-        longer holds, once each. Also the store's drop listener (runs on a store thread)."""
-        if not any(k in self._announced for k in store_keys):
-            return  # the common case, without the lock: stale answers are re-checked below
-        with self._report_lock:
-            known = [k for k in dict.fromkeys(store_keys) if k in self._announced]
-            if not known:
-                return
-            gone = [k for k, held in zip(known, self._store.contains_many(known)) if not held]
-            entries = [self._announced.pop(k) for k in gone]
-            if entries:
-                self._notify_keys_deleted([key for key, _ in entries], [size for _, size in entries])
-
-    def _announce_missing(self, store_keys: list[bytes], what: str) -> None:
-        """``_announce_gone`` for the misses of a lookup or load, whose result must not depend on
-        LMCache's listeners: a failure is logged and counted, not raised."""
-        try:
-            self._announce_gone(store_keys)
-        except Exception:
-            with self._report_lock:
-                self._report_errors[f"notify_deleted.{what}"] += 1
-            log.exception("KVShrinkL2Adapter: reporting %d missing chunks after a %s failed", len(store_keys), what)
 
     # -- lookup and lock -----------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list["ObjectKey"],
@@ -284,7 +193,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
     def _lookup_and_lock(self, keys: list["ObjectKey"]) -> "Bitmap":
         store_keys = [encode_object_key(k) for k in keys]
         found = self._store.lock(store_keys)
-        self._announce_missing([k for k, hit in zip(store_keys, found) if not hit], "lookup")  # e.g. Redis evicted it
+        self._announced.missing([k for k, hit in zip(store_keys, found) if not hit], "lookup")  # e.g. Redis evicted it
         return _bitmap(len(keys), [i for i, hit in enumerate(found) if hit])
 
     def submit_unlock(self, keys: list["ObjectKey"]) -> None:
@@ -319,7 +228,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         if hits:
             self._notify_keys_accessed([keys[i] for i in hits])
         if len(hits) < len(keys):
-            self._announce_missing([k for k, chunk in zip(store_keys, chunks) if chunk is None], "load")
+            self._announced.missing([k for k, chunk in zip(store_keys, chunks) if chunk is None], "load")
         return _bitmap(len(keys), hits)
 
     def _load_one(self, store_key: bytes, out: Any) -> Any:
@@ -345,7 +254,7 @@ class KVShrinkL2Adapter(L2AdapterInterface):
                 self._store.delete(store_key)
             except KVShrinkError as exc:
                 log.warning("KVShrinkL2Adapter: delete of %s failed: %s", store_key[:80], exc)
-        self._announce_gone(store_keys)
+        self._announced.gone(store_keys)
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
                      cursor: str | None = None) -> "KeyListPage":
@@ -376,17 +285,15 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         return KeyListPage(entries=tuple(entries), next_page_token=next_token)
 
     def _size_of(self, store_key: bytes) -> int:
-        with self._report_lock:
-            announced = self._announced.get(store_key)
+        announced = self._announced.size_of(store_key)
         if announced is not None:
-            return announced[1]
+            return announced
         header = self._store.header(store_key)
         return int(getattr(header, "raw_size", 0)) if header is not None else 0
 
     def report_status(self) -> dict:
         healthy = not self._closed
-        with self._report_lock:
-            report_errors = dict(self._report_errors)
+        report_errors = self._announced.errors()
         status: dict[str, Any] = {"is_healthy": healthy, "type": type(self).__name__,
                                   "tiers": [t.name for t in self._config.store_config.tiers],
                                   "in_flight_tasks": self._runner.in_flight(),

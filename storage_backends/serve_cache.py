@@ -2,19 +2,21 @@
 L2 adapter, configured from one YAML file; without ``--config``, every server default below and
 the shipped default store (``kvshrink.configs.default_store_path()``, ``store-default.yaml``).
 
-The file has three sections::
+The file has these sections::
 
     server:   {host, port, http_host, http_port, prometheus_port, l1_size_gb, chunk_size,
                supported_transfer_mode, extra_args}                   # `lmcache server` flags
     adapter:  {workers, index_url, index_instance_id, index_flush_interval, index_max_pending}
                                                # optional; index_*: report tiers to the index
-    store:    {tiers: [...], engine: {...}, fuse: {...}}   # a store mapping, or the path of a store YAML;
-                  # fuse.enabled: true loads KV Fuse (:mod:`kvshrink.fuse.server_module`, which checks
-                  # the rest of the section when the server starts) as an lmcache server module
+    store:    {tiers: [...], engine: {...}, ...}   # a store mapping, or the path of a store YAML
     hints:    {host, port, auth_token_env, auth_token, model_name, max_body_bytes, max_tokens}
                   # optional: the prefetch-hint endpoint (POST /v1/prefetch), an lmcache server module
                   # (:mod:`~kvshrink.storage_backends.prefetch_hints`); loopback unless a token is set.
                   # Prefer auth_token_env: the section is passed on the command line as written
+    fuse:     {enabled, model_path, ratio, check_layer, threads, timeout_s, max_pending,
+               min_reuse_chunks, max_indexed_chunks, anchor}
+                  # optional: enabled: true loads KV Fuse, an lmcache server module
+                  # (:mod:`~kvshrink.storage_backends.kv_fuse.server_module`); off: stock handlers
 
 Everything is validated here first (``ConfigError`` names the key, e.g. ``store.tiers[1].path``;
 the SSD directory, /dev/shm room and Redis are checked too, creating nothing). Then one pure
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from kvshrink.config_checks import (bool_value, int_value, load_yaml, mapping_value, number_value, one_of,
+from kvshrink.config_checks import (int_value, load_yaml, mapping_value, number_value, one_of,
                                     port_value, reject_unknown, workers_value)
 from kvshrink.errors import ConfigError
 
@@ -49,9 +51,9 @@ if TYPE_CHECKING:
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"
 ADAPTER_CLASS = "KVShrinkL2Adapter"
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")  # lmcache server's choices
-_SECTIONS = {"server", "adapter", "store", "hints"}
+_SECTIONS = {"server", "adapter", "store", "hints", "fuse"}
 HINTS_MODULE = "kvshrink.storage_backends.prefetch_hints"
-FUSE_MODULE = "kvshrink.fuse.server_module"  # named, not imported: fusion sits beside the backends
+FUSE_MODULE = "kvshrink.storage_backends.kv_fuse.server_module"  # named, not imported: it loads LMCache and torch
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -130,7 +132,7 @@ class ServeCacheConfig:
     adapter_params: dict[str, Any]  # exactly what the adapter will receive
     server: ServerFlags = field(default_factory=ServerFlags)
     hints: dict[str, Any] | None = None  # the hint module's config, as written (None: no hint endpoint)
-    fuse: dict[str, Any] | None = None  # the KV Fuse module's config (None: fusion off, stock handlers)
+    fuse: dict[str, Any] | None = None  # the KV Fuse module's config, as written (None: fusion off, stock handlers)
 
     def l2_adapter_spec(self) -> dict[str, Any]:
         """The ``--l2-adapter`` JSON for ``lmcache server``."""
@@ -186,13 +188,20 @@ def load_serve_config(path: "str | Path | None" = None, *, check_services: bool 
 
         hints = dict(mapping_value(data["hints"], "hints"))
         HintSettings.from_config(hints, "hints")  # validated here, passed on as written
-    section = load_yaml(store_path, "store").get("fuse") if isinstance(source, str) else source.get("fuse")
-    fuse = None
-    if bool_value(mapping_value(section, f"{prefix}fuse").get("enabled", False), f"{prefix}fuse.enabled"):
-        fuse = {"store_config": str(store_path)} if isinstance(source, str) else dict(section)
+    fuse = _fuse_section(data.get("fuse"))
     if check_services:
         preflight(store, prefix)
     return ServeCacheConfig(store=store, adapter_params=params, server=server, hints=hints, fuse=fuse)
+
+
+def _fuse_section(section: Any) -> dict[str, Any] | None:
+    """The KV Fuse module's config: the ``fuse`` section as written once it validates, None when
+    absent or not enabled (then no module is loaded at all)."""
+    from kvshrink.storage_backends.kv_fuse.settings import SECTION, FuseModuleSettings
+
+    if section is None or not FuseModuleSettings.from_config(section, SECTION).enabled:
+        return None
+    return dict(section)
 
 
 # -- the command ----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.cascade": "cascade",
     "kvshrink.fuse": "fuse",
     "kvshrink.storage_backends": "backends",
+    "kvshrink.storage_backends.kv_fuse": "fuse_glue",  # KV Fuse's lmcache server module
     "kvshrink.plugins": "plugins",  # the package of the two below; its __init__ imports nothing
     "kvshrink.plugins.vllm": "vllm",
     "kvshrink.plugins.vllm.cpu_kv_layout": "vllm_layout",  # vLLM CPU's paged KV layout, probed: a leaf
@@ -52,14 +53,23 @@ ALLOWED: dict[str, set[str]] = {
     "configs": {"store"},
     "index": set(),
     "cascade": {"store"},  # a TieredStore may keep condensations
-    "fuse": {"vllm_layout"},  # torch + transformers, and how vLLM CPU lays out the chunks it fuses
-    "backends": {"configs", "store", "codec"},
+    "fuse": set(),  # torch + transformers only
+    "backends": {"configs", "store", "codec", "fuse_glue"},  # serve-cache validates KV Fuse's settings
+    "fuse_glue": {"fuse", "vllm_layout"},  # the fusion, and how vLLM CPU lays out the chunks it fuses
     "plugins": set(),
     "vllm": {"backends", "configs", "store", "codec", "vllm_layout"},
     "vllm_layout": set(),
     "router": {"index"},
     "cli": set(),  # dispatches by dotted path (COMMANDS), imports none of the commands
 }
+# LMCache's API is used only where LMCache loads us: everything else (the store, the codec, the
+# fusion engine) runs without it, and its internals change between LMCache releases.
+LMCACHE_LAYERS = {"backends", "fuse_glue", "vllm"}
+# Folders whose modules stay small: a module over MAX_MODULE_LINES lines or a class with more than
+# MAX_CLASS_METHODS methods is doing more than one job.
+SIZE_CHECKED = ("kvshrink/fuse", "storage_backends")
+MAX_MODULE_LINES = 400
+MAX_CLASS_METHODS = 25
 # Old module paths that re-export their new home in the harness until every caller is updated.
 # Each may import exactly that module and nothing else; delete the file, then its line here.
 TEMPORARY_SHIMS: dict[str, str] = {}  # old module path -> its new home, while callers move
@@ -93,8 +103,9 @@ def product_files() -> list[Path]:
     return sorted(p for p in files if not harness & set(p.parents))
 
 
-def imports(path: Path, module: str) -> list[tuple[int, str]]:
-    """(line, imported module) for every kvshrink import in ``path``; relative ones resolved."""
+def imports(path: Path, module: str, root: str = "kvshrink") -> list[tuple[int, str]]:
+    """(line, imported module) for every import of ``root`` (a top-level package) in ``path``;
+    relative ones resolved."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -113,7 +124,7 @@ def imports(path: Path, module: str) -> list[tuple[int, str]]:
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             found.append((node.lineno, node.args[0].value))
-    return [(line, name) for line, name in found if name == "kvshrink" or name.startswith("kvshrink.")]
+    return [(line, name) for line, name in found if name == root or name.startswith(root + ".")]
 
 
 def violations(files: list[tuple[Path, str]]) -> list[str]:
@@ -136,6 +147,19 @@ def violations(files: list[tuple[Path, str]]) -> list[str]:
             if target in ("foundation", source) or target in ALLOWED[source]:
                 continue
             out.append(f"{shown}:{line}: {module} ({source}) imports {name} ({target or 'unknown layer'})")
+    return out
+
+
+def lmcache_violations(files: list[tuple[Path, str]]) -> list[str]:
+    """One line per LMCache import outside LMCACHE_LAYERS: ``file:line: importer (layer) imports name``."""
+    out = []
+    for path, module in files:
+        source = layer_of(module)
+        if source in LMCACHE_LAYERS:
+            continue
+        shown = path.relative_to(ROOT) if ROOT in path.parents else path
+        out += [f"{shown}:{line}: {module} ({source}) imports {name}"
+                for line, name in imports(path, module, "lmcache")]
     return out
 
 
@@ -163,6 +187,34 @@ def test_the_check_names_the_offending_file_and_line(tmp_path: Path) -> None:
     ok = tmp_path / "ok.py"
     ok.write_text("from kvshrink.codec import encode\nfrom kvshrink.errors import ConfigError\nfrom . import config\n")
     assert violations([(ok, "kvshrink.store.ok")]) == []
+
+
+def test_only_the_lmcache_glue_imports_lmcache(tmp_path: Path) -> None:
+    found = lmcache_violations([(p, module_name(p)) for p in product_files()])
+    assert found == [], "LMCache imported outside storage_backends/ and plugins/vllm/:\n" + "\n".join(found)
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n\ndef f():\n"
+                   "    from lmcache.v1.multiprocess.request_handler import request_handler\n")
+    assert lmcache_violations([(bad, "kvshrink.fuse.bad")]) == [
+        f"{bad}:4: kvshrink.fuse.bad (fuse) imports lmcache.v1.multiprocess.request_handler"]
+    assert lmcache_violations([(bad, "kvshrink.storage_backends.kv_fuse.bad")]) == []
+
+
+def test_modules_and_classes_stay_small() -> None:
+    found = []
+    for path in sorted(p for folder in SIZE_CHECKED for p in (ROOT / folder).rglob("*.py")):
+        shown = path.relative_to(ROOT)
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found.append(f"{shown}: {len(text.splitlines())} lines > {MAX_MODULE_LINES}")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if len(methods) > MAX_CLASS_METHODS:
+                found.append(f"{shown}:{node.lineno}: class {node.name} has {len(methods)} methods "
+                             f"> {MAX_CLASS_METHODS}")
+    assert found == [], "split these by job:\n" + "\n".join(found)
 
 
 def test_temporary_shims_only_re_export_their_new_home() -> None:

@@ -1,4 +1,4 @@
-"""KV Fuse (issue 15): reuse the KV of token runs that are not a prefix of the prompt.
+"""KV Fuse: reuse the KV of token runs that are not a prefix of the prompt.
 
 Prefix caching misses whenever shared context moves: turn 1 retrieves documents A, B; turn 2
 retrieves B, C. B's KV exists, but at other positions and computed after other text. KV Fuse
@@ -20,23 +20,12 @@ builds the new prompt's KV from such pieces, CacheBlend's way:
 4. :mod:`kvshrink.fuse.keys` — fused KV is an approximation; it lives under its own cache salt
    (:func:`~kvshrink.fuse.keys.fused_salt`), never under the keys exact KV is looked up with.
 
-``benchmarks/fuse_quality.py`` measures what this costs in quality against a full prefill.
+``experiments/fuse_quality.py`` measured what this costs in quality against a full prefill.
 
-How it plugs into serving: :mod:`kvshrink.fuse.server_module`
--------------------------------------------------------------
-vLLM's scheduler only takes a *prefix* count of externally computed tokens, so the fused KV must
-reach vLLM as an ordinary LMCache prefix hit. No patch of vLLM or LMCache is needed: ``lmcache
-server --server-module '{"module_path": "kvshrink.fuse.server_module", "config": {"store_config":
-PATH}}'`` (the store YAML's ``fuse:`` section; off by default) replaces LMCache's ``commit_store``
-(the engine-driven store path vLLM CPU uses: stored chunks join a :class:`ContentIndex` per model
-and tenant) and ``lookup``: a request whose ``cache_salt`` is :func:`~kvshrink.fuse.keys.fused_salt`
-is fused on the module's own thread (the reusable chunks read by their original keys, re-rotated,
-recomputed with :class:`FuseEngine`, written under the prompt's own chunk keys with the fused salt),
-then the built-in lookup finds a prefix hit. ``query_prefetch_status`` answers "still running"
-meanwhile. A missing, damaged or unknown-layout chunk makes the request an ordinary prefill.
-Requests without a fused salt never see fused chunks; fusion off = no handler replaced = stock.
-It lives here, not in storage_backends/, because that layer may not import this one.
+How it plugs into serving: :mod:`kvshrink.storage_backends.kv_fuse`, an ``lmcache server
+--server-module`` beside the other LMCache backends (``kvshrink serve-cache`` loads it from the
+``fuse`` section of its YAML). This package imports nothing of LMCache.
 
-Dependencies: torch and transformers (the ``cpu`` / ``gpu`` extras); the server module also LMCache.
-Imports nothing of ours but the foundation (``kvshrink.errors``, ``kvshrink.config_checks``).
+Dependencies: torch and transformers (the ``cpu`` / ``gpu`` extras). Imports nothing of ours but the
+foundation (``kvshrink.errors``, ``kvshrink.config_checks``).
 """

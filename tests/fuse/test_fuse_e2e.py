@@ -107,7 +107,7 @@ def test_kv_fuse_serves_reordered_documents_through_vllm(tmp_path: Path, checkpo
     adapter = {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
                "class_name": "KVShrinkL2Adapter",
                "adapter_params": {"store": {"tiers": [{"kind": "dram", "capacity": "512MiB", "shm_name": shm}]}}}
-    module = {"module_path": "kvshrink.fuse.server_module",
+    module = {"module_path": "kvshrink.storage_backends.kv_fuse.server_module",
               "config": {"enabled": True, "model_path": str(checkpoint), "ratio": 0.15, "check_layer": 1}}
     cache = LMCacheServer(l1_size_gb=0.5, l2_adapters=[adapter], log_path=tmp_path / "lmcache.log",
                           extra_args=["--server-module", json.dumps(module)], env={"LMCACHE_LOG_LEVEL": "INFO"})

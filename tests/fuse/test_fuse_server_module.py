@@ -15,28 +15,28 @@ import torch
 
 from kvshrink.errors import ConfigError
 from kvshrink.fuse.keys import FuseSettings, fused_salt
-from kvshrink.fuse.server_module import FuseModuleSettings, KVFuseModule, build_server_modules
+from kvshrink.storage_backends.kv_fuse.server_module import KVFuseModule, build_server_modules
+from kvshrink.storage_backends.kv_fuse.settings import SETTING_KEYS, FuseModuleSettings
 
 CHUNK = 256
 SALT = fused_salt(FuseSettings())
 MODEL = "smollm2"
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- settings ---------------------------------------------------------------------------------------
-def test_the_shipped_store_yaml_has_fusion_off_and_still_loads_as_a_store() -> None:
-    from kvshrink.configs import default_store_path
-    from kvshrink.store import StoreConfig
+def test_the_shipped_fuse_section_is_off_and_documents_the_defaults() -> None:
+    """The ``fuse`` section of the shipped serve-cache YAML spells out every key at its default."""
+    from kvshrink.config_checks import load_yaml
 
-    assert StoreConfig.load(default_store_path()).tiers  # the store ignores its fuse: section
-    settings = FuseModuleSettings.from_config({"store_config": str(default_store_path())})
-    assert settings == FuseModuleSettings() and not settings.enabled
+    section = load_yaml(REPO / "configs" / "serve-cache-dram-ssd-redis.yaml", "config")["fuse"]
+    assert set(section) == set(SETTING_KEYS)
+    assert FuseModuleSettings.from_config(section) == FuseModuleSettings() and not FuseModuleSettings().enabled
 
 
-def test_inline_keys_override_the_store_yaml(tmp_path: Path) -> None:
-    path = tmp_path / "store.yaml"
-    path.write_text("tiers: [{kind: dram, capacity: 64MiB}]\nfuse: {enabled: true, model_path: /m, ratio: 0.3}\n")
-    settings = FuseModuleSettings.from_config({"store_config": str(path), "ratio": 0.05})
-    assert (settings.enabled, settings.model_path, settings.ratio) == (True, "/m", 0.05)
+def test_valid_settings_are_read_as_given() -> None:
+    settings = FuseModuleSettings.from_config({"enabled": True, "model_path": "/m", "ratio": 0.05, "threads": 2})
+    assert (settings.enabled, settings.model_path, settings.ratio, settings.threads) == (True, "/m", 0.05, 2)
     assert fused_salt(settings.fuse) == "kvfuse1-r0050-c1"
 
 
@@ -46,20 +46,18 @@ def test_inline_keys_override_the_store_yaml(tmp_path: Path) -> None:
     ({"check_layer": 0}, "fuse.check_layer"),
     ({"timeout_s": 400}, "fuse.timeout_s"),
     ({"enabeld": True}, "fuse.enabeld"),
+    ({"store_config": "store.yaml"}, "fuse.store_config"),  # settings no longer come from a store YAML
     ({"enabled": "yes"}, "fuse.enabled"),
+    ({"ratio": "0.15"}, "fuse.ratio"),
+    ({"model_path": 7}, "fuse.model_path"),
+    ({"max_pending": 2.5}, "fuse.max_pending"),
+    ({"anchor": True}, "fuse.anchor"),
+    ("on", "fuse"),
 ])
-def test_bad_settings_name_their_key(config: dict, key: str) -> None:
+def test_bad_settings_name_their_key(config: Any, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         FuseModuleSettings.from_config(config)
     assert info.value.key == key
-
-
-def test_a_store_yaml_whose_fuse_section_is_not_a_mapping_is_refused() -> None:
-    from kvshrink.store import StoreConfig
-
-    with pytest.raises(ConfigError) as info:
-        StoreConfig.load({"tiers": [{"kind": "dram", "capacity": "64MiB"}], "fuse": "on"})
-    assert info.value.key == "fuse"
 
 
 def test_disabled_the_factory_replaces_no_handler() -> None:
@@ -330,7 +328,7 @@ def test_the_chunk_codec_reads_and_writes_vllm_cpu_chunks_through_the_probed_lay
     the vector kernels' transposed K), gathered as LMCache stores it: decode gives K and V back,
     encode gives the stored chunk back, bit for bit."""
     pytest.importorskip("vllm._custom_ops")
-    from kvshrink.fuse.server_module import ChunkCodec
+    from kvshrink.storage_backends.kv_fuse.chunk_codec import ChunkCodec
     from kvshrink.plugins.vllm.cpu_kv_layout import probe_paged_layout
     from kvshrink.testing.fixtures.real_kv import real_kv
 
@@ -345,7 +343,7 @@ def test_the_chunk_codec_reads_and_writes_vllm_cpu_chunks_through_the_probed_lay
 
 
 def test_a_vllm_cpu_chunk_object_without_its_layout_is_refused() -> None:
-    from kvshrink.fuse.server_module import ChunkCodec
+    from kvshrink.storage_backends.kv_fuse.chunk_codec import ChunkCodec
     from kvshrink.plugins.vllm.cpu_kv_layout import KVLayoutError
 
     with pytest.raises(KVLayoutError, match="probed paged layout"):
@@ -376,7 +374,7 @@ def test_vllm_cpu_chunks_of_the_isa_vllm_picks_here_are_fused(cpu_stack: Any, do
     """What KV Fuse meets under vLLM CPU on this machine: chunks in the layout of the ISA vLLM's
     attention picks here. They fuse (no layout fallback), and the fused chunks it writes are in
     that layout too: read back through vLLM's own layout, their layer-0 keys are the model's."""
-    from kvshrink.fuse.server_module import KEY_CHECK_TOLERANCE
+    from kvshrink.storage_backends.kv_fuse.key_check import KEY_CHECK_TOLERANCE, layer0_key_error
     from kvshrink.plugins.vllm.cpu_kv_layout import attention_isa, probe_paged_layout
 
     isa = attention_isa(torch.bfloat16, BLOCK, 64)
@@ -388,12 +386,13 @@ def test_vllm_cpu_chunks_of_the_isa_vllm_picks_here_are_fused(cpu_stack: Any, do
     assert delta["fused_chunks_written"] == 2
     status = cpu_stack.module.report_status()["kvshrink_fuse"]
     assert status["layouts"] == {f"{MODEL}@1": f"vllm-cpu-{isa}-bs{BLOCK}"}
-    codec = cpu_stack.module._codecs[(MODEL, 1)]
+    codec = cpu_stack.module.layouts.confirmed(MODEL, 1)
     assert codec.paged is probe_paged_layout(3, BLOCK, 64, torch.bfloat16)  # the CPU connector's probe
     written = [cpu_stack.storage.objects[k] for k in cpu_stack.storage.writes]
     for i, chunk in enumerate(written):
         assert tuple(chunk.shape) == (30, CHUNK, 384)
-        error = cpu_stack.module._key_error(tokens_ba[i * CHUNK:(i + 1) * CHUNK], i * CHUNK, codec.decode(chunk))
+        error = layer0_key_error(cpu_stack.module.engine, tokens_ba[i * CHUNK:(i + 1) * CHUNK], i * CHUNK,
+                                 codec.decode(chunk))
         assert error <= KEY_CHECK_TOLERANCE, (i, error)
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from l2_harness import SHM_DIR, greedy
 
-from kvshrink.configs import derive_store
+from kvshrink.testing.derived_stores import derive_store
 from kvshrink.testing.polling import poll_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]

@@ -15,6 +15,7 @@ import torch
 import yaml
 from l2_harness import SHM_DIR
 
+from kvshrink.testing.derived_stores import derive_store
 from kvshrink.testing.launch import free_port
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -24,7 +25,6 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from kvshrink.configs import derive_store
 from kvshrink.errors import ConfigError
 from kvshrink.storage_backends.inprocess_plugin import KVShrinkStoragePlugin
 

@@ -26,7 +26,8 @@ CACHED = PROMPT_TOKENS // CHUNK * CHUNK
 
 
 def node_adapter(workdir: Path, shm_name: str, redis_url: str) -> dict:
-    from kvshrink.configs import derive_store, shipped_path
+    from kvshrink.configs import shipped_path
+    from kvshrink.testing.derived_stores import derive_store
 
     store = derive_store(shipped_path("store-dram-ssd-redis.yaml"), paths={"ssd": workdir / "ssd"},
                          shm_names={"dram": shm_name}, capacities={"dram": "256MiB", "ssd": "1GiB"})

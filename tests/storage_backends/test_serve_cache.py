@@ -18,12 +18,13 @@ import pytest
 import yaml
 from l2_harness import SHM_DIR
 
+from kvshrink.testing.derived_stores import derive_store
 from kvshrink.testing.launch import free_port
 from kvshrink.testing.polling import poll_until
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
 from kvshrink.cli import main as kvshrink_main
-from kvshrink.configs import default_store_path, derive_store
+from kvshrink.configs import default_store_path
 from kvshrink.errors import ConfigError
 from kvshrink.store import StoreConfig
 from kvshrink.storage_backends.mp_l2_adapter import KVShrinkL2AdapterConfig
@@ -110,8 +111,9 @@ def test_shipped_alternatives_cover_redis_and_qat():
     (lambda d: d["store"]["tiers"][1].update(method="lzma"), "store.tiers[1].method"),
     (lambda d: d.pop("store"), "store"),
     (lambda d: d.update(store="no-such-store.yaml"), "store"),
-    (lambda d: d["store"].update(fuse={"enabled": "yes"}), "store.fuse.enabled"),
-    (lambda d: d["store"].update(fuse=["enabled"]), "store.fuse"),
+    (lambda d: d.update(fuse={"enabled": "yes"}), "fuse.enabled"),
+    (lambda d: d.update(fuse={"enabled": False, "anchr": 8}), "fuse.anchr"),
+    (lambda d: d["store"].update(fuse={"enabled": False}), "store.fuse"),  # KV Fuse is not the store's
 ])
 def test_bad_files_exit_2_naming_the_key(tmp_path, shm_name, capsys, edit, key):
     path = private_config(tmp_path, shm_name, edit)
@@ -176,27 +178,37 @@ def _server_modules(argv: list[str]) -> dict[str, dict]:
             (json.loads(argv[i + 1]) for i, arg in enumerate(argv) if arg == "--server-module")}
 
 
-def test_fuse_enabled_in_the_store_loads_the_fuse_module_and_off_loads_nothing(tmp_path, shm_name):
-    """The store's own ``fuse:`` section switches KV Fuse: inline, the module gets the section as
-    written; in a store file, the file's path (the module reads and checks the section there)."""
+def test_the_fuse_section_loads_the_fuse_module_as_written_and_off_loads_nothing(tmp_path, shm_name):
+    """The serve-cache YAML's ``fuse`` section switches KV Fuse: enabled, the module gets the
+    section as written (it validates it again when LMCache loads it); off or absent, no module."""
     from kvshrink.storage_backends.serve_cache import FUSE_MODULE
 
-    assert FUSE_MODULE not in _server_modules(load_serve_config(check_services=False).argv())  # shipped: off
+    assert FUSE_MODULE not in _server_modules(load_serve_config(check_services=False).argv())  # default: off
+    for shipped in SHIPPED:
+        assert FUSE_MODULE not in _server_modules(load_serve_config(shipped, check_services=False).argv())
     section = {"enabled": True, "model_path": str(tmp_path / "ckpt"), "ratio": 0.3}
-    inline = load_serve_config(private_config(tmp_path, shm_name, lambda d: d["store"].update(fuse=section)),
-                               check_services=False)
-    assert _server_modules(inline.argv()) == {FUSE_MODULE: section}
-    store_file = tmp_path / "store.yaml"
-    store_file.write_text(yaml.safe_dump({**derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm_name},
-                                                        capacities={"dram": "64MiB", "ssd": "1GiB"}), "fuse": section}))
     hints = {"port": free_port()}
-    in_file = load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(store="store.yaml", hints=hints)),
-                                check_services=False)
-    assert _server_modules(in_file.argv()) == {FUSE_MODULE: {"store_config": str(store_file)},
-                                               "kvshrink.storage_backends.prefetch_hints": hints}
-    off = load_serve_config(private_config(tmp_path, shm_name, lambda d: d["store"].update(fuse={"enabled": False})),
+    on = load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(fuse=section, hints=hints)),
+                           check_services=False)
+    assert _server_modules(on.argv()) == {FUSE_MODULE: section, "kvshrink.storage_backends.prefetch_hints": hints}
+    off = load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(fuse={"enabled": False})),
                             check_services=False)
     assert _server_modules(off.argv()) == {}
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ({"enabeld": True}, "fuse.enabeld"),  # a typo is refused, not read as "off"
+    ({"enabled": True, "model_path": "/m", "ratios": 0.3}, "fuse.ratios"),
+    ({"enabled": "true"}, "fuse.enabled"),
+    ({"enabled": True}, "fuse.model_path"),
+    ({"enabled": False, "ratio": 2}, "fuse.ratio"),  # checked even when off
+    ({"enabled": False, "max_pending": "4"}, "fuse.max_pending"),
+    (["enabled"], "fuse"),
+])
+def test_a_bad_fuse_section_names_its_key(tmp_path, shm_name, section, key):
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(private_config(tmp_path, shm_name, lambda d: d.update(fuse=section)), check_services=False)
+    assert info.value.key == key
 
 
 def test_argv_is_exactly_the_lmcache_server_command_for_the_config():
