@@ -20,9 +20,7 @@ open-loop, or use ``think_s`` to issue a session's next turn after its previous 
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -135,17 +133,3 @@ def summarize(requests: list[AgentRequest]) -> dict:
             "prompt_tokens_total": int(prompt.sum()), "prompt_tokens_mean": float(prompt.mean()),
             "prompt_tokens_max": int(prompt.max()),
             "reusable_fraction": float(1 - fresh / prompt.sum())}  # hit rate of an ideal infinite cache
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in TraceConfig.__dataclass_fields__.values():
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    args = parser.parse_args(argv)
-    cfg = TraceConfig(**{k: getattr(args, k) for k in TraceConfig.__dataclass_fields__})
-    print(json.dumps({"config": asdict(cfg), **summarize(generate(cfg))}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,11 +13,12 @@ chunk keys from LMCache's ``ChunkedTokenDatabase`` (prefix-chained hashes of 256
   arrangement ours uses, ``local_cpu: false`` with the same staging pool, and the rest of the DRAM
   budget given to ``LocalDiskBackend`` on top of the SSD budget (same total bytes, one tier).
 * ours: our in-process storage plugin over the shipped default store (``configs/store-default.yaml``,
-  or ``--store-config``) with the same budgets, changed by :func:`kvshrink.configs.derive_store`
-  only in paths, arena name, capacities and serial engine lanes. LMCache still needs a
-  ``LocalCPUBackend`` to allocate read buffers; it runs with ``local_cpu: false`` (a staging pool
-  that caches nothing) and its size is taken out of our DRAM tier, so total DRAM is equal on both
-  sides. Our runs record the store file they used (path, sha256) in their details.
+  or ``--store-config``) with the same budgets, changed by
+  :func:`kvshrink.testing.derived_stores.derive_store` only in paths, arena name, capacities and
+  serial engine lanes. LMCache still needs a ``LocalCPUBackend`` to allocate read buffers; it runs
+  with ``local_cpu: false`` (a staging pool that caches nothing) and its size is taken out of our
+  DRAM tier, so total DRAM is equal on both sides. Our runs record the store file they used
+  (path, sha256) in their details.
 
 The KV bytes are real SmolLM2 KV (a pool of chunks; the n-th distinct key gets chunk n mod pool),
 so compressibility is real. Replays are deterministic: every put is waited for before the next
@@ -39,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from kvshrink.benchmarks.comparison import (OURS, STOCK, Budget, SideRun, TierPolicy, Workload, digest,
                                             trace_fingerprint)
-from kvshrink.configs import derive_store, store_record
 from kvshrink.errors import ConfigError, CorruptDataError, KVShrinkError
+from kvshrink.testing.derived_stores import derive_store, store_record
 from kvshrink.testing.polling import poll_until
 
 if TYPE_CHECKING:

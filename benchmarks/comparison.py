@@ -149,14 +149,6 @@ class TierPolicy:
 NO_CACHE = TierPolicy("no cache (codec only)", "none", 0.0, False)
 
 
-def cache_server_policy(side: str, l1_size_gb: float) -> TierPolicy:
-    """``lmcache server`` with an L2 adapter: every store goes to L1 and to L2 (inclusive), an L2
-    hit is loaded back into L1. Stock's L2 is LMCache's ``fs`` adapter (raw files); ours the L2
-    adapter over the shipped default store (exclusive DRAM + SSD inside it)."""
-    l2 = "KVShrink L2 adapter, shipped default store" if side == OURS else "LMCache fs L2 adapter (raw files)"
-    return TierPolicy(f"lmcache server: L1 {l1_size_gb:g} GB + {l2}", "inclusive", l1_size_gb * 1024, True)
-
-
 @dataclass
 class SideRun:
     """One side's figures on one workload, with the tier policy it ran under."""
@@ -166,11 +158,6 @@ class SideRun:
     figures: dict[str, float]
     details: dict[str, Any] = field(default_factory=dict)
     policy: TierPolicy | None = None
-
-    def scoped(self, prefix: str) -> "SideRun":
-        """The figures named ``prefix...`` (prefix dropped), same side, workload and policy."""
-        return SideRun(self.side, self.workload, {k[len(prefix):]: v for k, v in self.figures.items()
-                                                  if k.startswith(prefix)}, policy=self.policy)
 
 
 @dataclass(frozen=True)

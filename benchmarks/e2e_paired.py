@@ -5,7 +5,8 @@ with its own vLLM OpenAI server attached (vLLM's own prefix cache off, so every 
 Stock's L2 is LMCache's native file-system adapter (``fs_native``, C++ I/O, bounded with LMCache's
 own L2 eviction); ours is :class:`~kvshrink.storage_backends.mp_l2_adapter.KVShrinkL2Adapter`
 over the shipped default store (``configs/store-default.yaml``, moved and resized only, by
-:func:`kvshrink.configs.derive_store`). TTFT is the first streamed token of a streamed completion.
+:func:`kvshrink.testing.derived_stores.derive_store`). TTFT is the first streamed token of a
+streamed completion.
 
 Every step runs on every stack back to back, the order rotating from one step to the next, and a
 stack's background stores finish before the next stack's request starts (``Stack.wait_idle``): load
@@ -38,10 +39,10 @@ Phases:
 
 Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
 CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
-(``PairedSettings.trace``: 50 requests, ~24K prompt tokens a replay, sized with
-:mod:`~kvshrink.benchmarks.replay_model` for intervals that can decide). Each replay also records
-the trace's reuse ceiling (:func:`reuse_ceiling`, what an unbounded cache hits): where stock at its
-best hits within 10 points of it, no cache can show the +10-point target. Two faster settings were
+(``PairedSettings.trace``: 50 requests, ~24K prompt tokens a replay, sized for intervals that can
+decide: docs/bench/notes.md). Each replay also records the trace's reuse ceiling
+(:func:`reuse_ceiling`, what an unbounded cache hits): where stock at its best hits within 10
+points of it, no cache can show the +10-point target. Two faster settings were
 tried and rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM
 CPU then answers garbage even without any cache; fp32 throughout is correct and fast, but its KV is fp32,
 which no deployment caches and which compresses 1.19x instead of bf16's 1.48x. The trace's tokens
@@ -122,7 +123,7 @@ def stock_fs_native(disk: Path, capacity_mib: float) -> dict[str, Any]:
 
 
 def ours_adapter(disk: Path, shm_name: str, dram_mib: float, ssd_mib: float, template: Path | None) -> dict[str, Any]:
-    from kvshrink.configs import derive_store
+    from kvshrink.testing.derived_stores import derive_store
 
     store = derive_store(template, paths={"ssd": disk}, shm_names={"dram": shm_name},
                          capacities={"dram": int(dram_mib * MIB), "ssd": int(ssd_mib * MIB)})
@@ -351,7 +352,7 @@ class PairedSettings:
     # nominal 3 s turn), contexts 0.3-0.8K tokens; 50 requests, ~24K prompt tokens a replay. Twice
     # the requests of the earlier 6-session trace for about 1.5x its prefill: a hit costs ~1 s, a
     # miss ~10 s, so more turns per session buy requests (interval width) cheaply
-    # (replay_model's power analysis: docs/bench/notes.md)
+    # (the power analysis in docs/bench/notes.md, made with experiments/replay_model.py)
     trace: dict[str, Any] = field(default_factory=lambda: dict(
         sessions=8, turns=6, concurrency=8, system_tokens=128, first_user_tokens=256, tokens_per_turn=32,
         output_tokens=16, agents=1, think_s=20.0, seed=0))
@@ -516,7 +517,7 @@ class PairedBench:
         return self
 
     def run(self) -> PairedResult:
-        from kvshrink.configs import store_record
+        from kvshrink.testing.derived_stores import store_record
 
         try:
             self.launch()

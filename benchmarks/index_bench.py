@@ -66,8 +66,8 @@ from kvshrink.index.scoring import lookup
 from kvshrink.index.server import IndexServer
 from kvshrink.index.state import IndexState
 from kvshrink.plugins.router.router_logic import lookup_body
-from kvshrink.testing.launch import free_port
 from kvshrink.testing.polling import poll_until
+from kvshrink.testing.processes import free_port
 
 MODEL = "bench-model"
 FORMS = ("msgpack-router", "json-base64", "json-token-ids")

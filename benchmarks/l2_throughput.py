@@ -8,7 +8,7 @@ compressor shrinks to nothing, so here every object holds a real SmolLM2 KV chun
 [2, 30, 256, 192]) and every load is checked bit-exact against what was stored.
 
 Ours is always the shipped default store (``configs/store-default.yaml``, or ``--store-config``),
-changed by :func:`kvshrink.configs.derive_store` only in paths, arena name and capacities, which
+changed by :func:`kvshrink.testing.derived_stores.derive_store` only in paths, arena name and capacities, which
 pick the tier that serves: "dram" = stock ``fs`` on ``/dev/shm`` (tmpfs) vs our store with room
 for every chunk in its DRAM tier (shm arena); "ssd" = stock ``fs`` on a local directory vs our
 store with a DRAM tier of one chunk, so every store passes through DRAM on to the SSD tier
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Seque
 
 from kvshrink.benchmarks.capacity_replay import ChunkPool
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest
-from kvshrink.configs import derive_store, store_record
+from kvshrink.testing.derived_stores import derive_store, store_record
 from kvshrink.errors import CorruptDataError, KVShrinkError
 
 if TYPE_CHECKING:

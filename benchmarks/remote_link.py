@@ -15,29 +15,27 @@ allows namespaces, and :class:`LinkUnavailable` says so where either is missing.
 
 Both are timed by ``lmcache bench l2``'s round runners (:func:`l2_throughput.measure`: real SmolLM2
 chunks, every load checked bit-exact) against a fresh ``redis-server`` each; bytes in Redis are its
-``used_memory`` after the stores minus before, per stored token.
-
-    sudo python -m kvshrink.benchmarks.remote_link --rates 1000,10000
+``used_memory`` after the stores minus before, per stored token. ``kvshrink bench --sections
+throughput`` runs it (its remote rows; run as root).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import shutil
 import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-from kvshrink.benchmarks.capacity_replay import ChunkPool, chunk_pool
+from kvshrink.benchmarks.capacity_replay import ChunkPool
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest
 from kvshrink.benchmarks.l2_throughput import ADAPTER_CLASS, ADAPTER_MODULE, ThroughputSettings, measure
-from kvshrink.configs import load_store_mapping, shipped_path
+from kvshrink.configs import shipped_path
 from kvshrink.errors import KVShrinkError
+from kvshrink.testing.derived_stores import load_store_mapping
 
 REMOTE_STORE = "store-dram-ssd-redis.yaml"  # the shipped store with a remote tier; its Redis tier is measured
 REDIS_PORT = 6379  # inside the namespace: its own port space
@@ -159,39 +157,3 @@ def run_side(side: str, link: Link, pool: ChunkPool, threads: int, settings: Thr
         policy = TierPolicy("LMCache RESP L2 adapter (raw values)", "single", 0.0, False)
         details = {"adapter": "resp"}
     return SideRun(side, workload, figures, details, policy)
-
-
-def run(rates_mbit: Sequence[int], threads: int = 2, settings: ThroughputSettings = ThroughputSettings(),
-        chunks: int = 8) -> dict[int, dict[str, SideRun]]:
-    """Both sides at each rate, stock first, each on a fresh link and a fresh server."""
-    pool = chunk_pool(chunks)
-    out: dict[int, dict[str, SideRun]] = {}
-    for rate in rates_mbit:
-        with limited_link(rate) as link:
-            out[rate] = {side: run_side(side, link, pool, threads, settings) for side in (STOCK, OURS)}
-    return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="1000,10000", help="link rates in Mbit/s (default 1000,10000)")
-    parser.add_argument("--threads", type=int, default=2, help="submits in flight (default 2)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args(argv)
-    runs = run([int(r) for r in args.rates.split(",")], args.threads)
-    rows = {}
-    for rate, sides in runs.items():
-        stock, ours = sides[STOCK].figures, sides[OURS].figures
-        rows[rate] = {"stock": stock, "ours": ours}
-        print(f"{rate} Mbit/s: load GB/s stock {stock['load_gbps']:.3f} ours {ours['load_gbps']:.3f} "
-              f"({ours['load_gbps'] / stock['load_gbps']:.2f}x); store GB/s stock {stock['store_gbps']:.3f} ours "
-              f"{ours['store_gbps']:.3f} ({ours['store_gbps'] / stock['store_gbps']:.2f}x); bytes in Redis per token "
-              f"stock {stock['bytes_in_redis_per_token']:.0f} ours {ours['bytes_in_redis_per_token']:.0f} "
-              f"({ours['bytes_in_redis_per_token'] / stock['bytes_in_redis_per_token']:.3f}x)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -170,11 +170,9 @@ def measure_reopen(count: int, workdir: Path, repeats: int, drop: bool, progress
     Wall time is what a restart waits; the process CPU time of the open is reported beside it
     because on a shared, loaded machine the wall time mostly measures the neighbours."""
     from kvshrink.codec import encode
-    from kvshrink.store.config import TierConfig
     from kvshrink.store.ssd import SsdTier
 
-    config = TierConfig(kind="ssd", name="ssd", capacity=64 << 30, compressed=True, path=str(workdir / "reopen"),
-                        fsync=False)
+    config = reopen_tier_config(workdir / "reopen")
     pool = small_real_chunks(min(count, 4096))
     frames = [encode(c) for c in pool]
     tier = SsdTier(config)
@@ -205,15 +203,23 @@ def measure_reopen(count: int, workdir: Path, repeats: int, drop: bool, progress
             "after_crash": crash}
 
 
+def reopen_tier_config(path: Path | str) -> Any:
+    """The SSD tier the reopen measurements fill: compressed, 64 GiB, no fsync (what is timed is
+    the reopen, not the writes), parsed by the store's own config parser."""
+    from kvshrink.store.config import parse_store_config
+
+    tier = {"kind": "ssd", "name": "ssd", "capacity": 64 << 30, "compressed": True, "path": str(path), "fsync": False}
+    return parse_store_config({"tiers": [tier]}).tiers[0]
+
+
 CRASH_WRITER = """
 import sys
-from kvshrink.benchmarks.store_bench import lmcache_like_key, small_real_chunks
+from kvshrink.benchmarks.store_bench import lmcache_like_key, reopen_tier_config, small_real_chunks
 from kvshrink.codec import encode
-from kvshrink.store.config import TierConfig
 from kvshrink.store.ssd import SsdTier
 start, tail = int(sys.argv[2]), int(sys.argv[3])
 frames = [encode(c) for c in small_real_chunks(256)]
-tier = SsdTier(TierConfig(kind="ssd", name="ssd", capacity=64 << 30, compressed=True, path=sys.argv[1], fsync=False))
+tier = SsdTier(reopen_tier_config(sys.argv[1]))
 for i in range(start, start + tail):
     tier.write_frame(lmcache_like_key(i), frames[i % len(frames)])
 print("written", flush=True)

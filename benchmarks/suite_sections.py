@@ -97,7 +97,7 @@ class Section:
     figures: dict[str, Any] = field(default_factory=dict)
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # kvshrink.configs.store_record of the store file our side ran on, as its runs recorded it;
+    # kvshrink.testing.derived_stores.store_record of the store file our side ran on, as its runs recorded it;
     # None for a section without a store (codec)
     store_config: dict[str, Any] | None = None
 

@@ -158,7 +158,7 @@ class TierTTFT:
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         from kvshrink.benchmarks.comparison import digest, model_fingerprint
-        from kvshrink.configs import store_record
+        from kvshrink.testing.derived_stores import store_record
 
         s = self.settings
         prompt = hot_prompt(self.model, s.prompt_tokens)
@@ -521,7 +521,7 @@ def with_hints_and_idle_demotion(base: Arrangement, model: Path, idle_after_s: f
     """``base`` (ours) with idle demotion on in its store and the prefetch-hint server module on a
     free loopback port; returns the arrangement and the hint endpoint's base URL."""
     from kvshrink.storage_backends.serve_cache import HINTS_MODULE
-    from kvshrink.testing.launch import free_port
+    from kvshrink.testing.processes import free_port
 
     port = free_port()
     hints = {"module_path": HINTS_MODULE, "config": {"port": port, "model_name": lmcache_model_name(model)}}
@@ -551,7 +551,7 @@ def _policies(*stacks: Stack) -> dict[str, dict[str, Any]]:
 
 
 def _pids(st: Stack) -> list[int]:
-    from kvshrink.testing.launch import group_pids
+    from kvshrink.testing.processes import group_pids
 
     return group_pids(st.server.proc.pid)
 

@@ -21,17 +21,18 @@ from kvshrink.benchmarks import l2_throughput as lt
 from kvshrink.benchmarks.comparison import OURS, STOCK
 from kvshrink.benchmarks.suite_sections import Section
 from kvshrink.cli import main
-from kvshrink.configs import SERIAL_ENGINE, default_store_path, derive_store, load_store_mapping, store_record
+from kvshrink.configs import default_store_path
 from kvshrink.errors import ConfigError
 from kvshrink.store.config import StoreConfig, parse_size, parse_store_config
+from kvshrink.testing import derived_stores
+from kvshrink.testing.derived_stores import SERIAL_ENGINE, derive_store, load_store_mapping, store_record
 
 CHUNK_BYTES = 2 * 30 * 256 * 192 * 2  # one SmolLM2 chunk, bf16
 
 
 def unplaced(store: Mapping[str, Any]) -> StoreConfig:
     """The store with every path, shm name and capacity blanked: what a benchmark may not change."""
-    config = parse_store_config(store)
-    return replace(config, tiers=tuple(replace(t, path="", shm_name="", capacity=0) for t in config.tiers))
+    return derived_stores.unplaced(parse_store_config(store))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def default() -> StoreConfig:
 def placements(store: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
     """tier name -> (where it keeps its data, capacity in bytes)."""
     config = parse_store_config(store)
-    return {t.name: (t.path or t.shm_name, t.capacity) for t in config.tiers}
+    return {t.name: (getattr(t, "path", "") or getattr(t, "shm_name", ""), t.capacity) for t in config.tiers}
 
 
 def test_the_default_is_the_documented_store() -> None:

@@ -3,7 +3,6 @@ the budgets and every stack's arrangement of them (the shipped default store for
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +11,8 @@ from kvshrink.benchmarks import e2e_paired as ep
 from kvshrink.benchmarks import paired_stats as ps
 from kvshrink.benchmarks.agent_trace import TraceConfig, generate
 from kvshrink.benchmarks.comparison import IncomparableError
-from kvshrink.configs import load_store_mapping
 from kvshrink.store.config import parse_store_config
+from kvshrink.testing.derived_stores import load_store_mapping, unplaced
 
 
 def test_the_order_rotates_so_every_stack_goes_first_equally_often() -> None:
@@ -62,6 +61,22 @@ def test_budgets_and_l1_follow_the_trace() -> None:
     assert largest * 2 <= ep.l1_headroom_for(requests) < largest * 2 + 8
 
 
+def test_the_reuse_ceiling_counts_whole_chunks_of_a_prefix_seen_before() -> None:
+    """What an unbounded prefix cache hits, worked by hand on 4-token chunks: a repeat hits its
+    whole chunks, a shared first chunk hits once the prefix diverges, a stranger hits nothing."""
+
+    class Request:
+        def __init__(self, token_ids: list[int]) -> None:
+            self.token_ids = token_ids
+
+    first = list(range(10))  # chunks [0..3], [4..7]; 2 tokens past the last whole chunk
+    requests = [Request(first), Request(first),  # repeat: 8 of 10
+                Request(first[:4] + [99] * 5),  # same first chunk only: 4 of 9
+                Request([50] * 7)]  # nothing seen: 0 of 7
+    assert ep.reuse_ceiling(requests, 4) == pytest.approx((0 + 8 + 4 + 0) / (10 + 10 + 9 + 7))
+    assert ep.reuse_ceiling([], 4) == 0.0
+
+
 def test_the_replay_trace_interleaves_sessions_at_random() -> None:
     """Round robin gives every session one reuse distance, so an LRU either holds every history or
     none (a cliff): the trace must spread the requests between a session's turns."""
@@ -88,8 +103,7 @@ def test_every_arrangement_spends_the_same_budget_and_ours_runs_the_shipped_defa
     store = parse_store_config(by["ours"].adapter["adapter_params"]["store"])
     shipped = parse_store_config(load_store_mapping())
     assert [(t.name, t.capacity) for t in store.tiers] == [("dram", 12 << 20), ("ssd", 36 << 20)]
-    blank = lambda c: replace(c, tiers=tuple(replace(t, path="", shm_name="", capacity=0) for t in c.tiers))  # noqa: E731
-    assert blank(store) == blank(shipped)  # only placement and capacities differ
+    assert unplaced(store) == unplaced(shipped)  # only placement and capacities differ
     assert len({by[k].policy.name for k in by}) == 3  # every stack's arrangement is named apart
     assert by["ours"].policy.tiers == "exclusive" and by["l1-all-dram"].policy.tiers == "inclusive"
 

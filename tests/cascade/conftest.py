@@ -12,11 +12,12 @@ from kvshrink.cascade.cache import CondensationCache
 from kvshrink.cascade.condenser import Condenser, CondenserConfig
 from kvshrink.cascade.proxy import ProxyConfig, create_app
 from kvshrink.cascade.service import CondenseService
-from kvshrink.benchmarks.cascade_ttft import MODEL
 from kvshrink.benchmarks.e2e_paired import ENGINE_ARGS
 from kvshrink.testing.launch import VLLMServer
 
 from cascade_servers import Upstream, serving, upstream_app
+
+MODEL = "smollm2"
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +30,7 @@ def checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def vllm(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """One real vLLM CPU server for every e2e test of the cascade (a start costs minutes on 2 cores),
-    serving the checkpoint as cascade_ttft.MODEL with the benchmarks' engine arguments."""
+    serving the checkpoint as MODEL with the benchmarks' engine arguments."""
     server = VLLMServer(checkpoint, served_model_name=MODEL, max_model_len=4096, kv_cache_space_gb=1,
                         extra_args=ENGINE_ARGS, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
     try:

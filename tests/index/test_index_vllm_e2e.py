@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from index_helpers import make_config, wait_for
 from kvshrink.index.server import IndexServer
-from kvshrink.testing.launch import LOOPBACK, ManagedProcess, VLLMServer, free_port, log_tail
+from kvshrink.testing.launch import VLLMServer
+from kvshrink.testing.processes import LOOPBACK, ManagedProcess, free_port, log_tail
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 MODEL = "smollm2"

@@ -16,11 +16,11 @@ before the next request):
   promotes (``promote_on_hit``; it does not).
 
 It ignores time (LMCache's once-a-second eviction, store order within a request), so it predicts
-hit rates to within a few points (``tests/benchmarks/test_replay_model.py`` holds it to the last e2e
-run), and TTFT only as ``per_token_s`` a missed token plus ``base_s``.
+hit rates to within a few points of the e2e runs it was checked against (docs/bench/notes.md), and
+TTFT only as ``per_token_s`` a missed token plus ``base_s``.
 
-    python -m kvshrink.benchmarks.replay_model                  # the default trace and budgets
-    python -m kvshrink.benchmarks.replay_model --scale 4        # 4x the sessions, same budgets in MiB
+    python experiments/replay_model.py                  # the default trace and budgets
+    python experiments/replay_model.py --scale 4        # 4x the sessions, same budgets in MiB
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class _Ours:
 @functools.cache
 def _shipped_promotes() -> bool:
     """Whether the shipped default promotes an SSD hit (read once: every budget asks)."""
-    from kvshrink.configs import load_store_mapping
+    from kvshrink.testing.derived_stores import load_store_mapping
 
     return bool(load_store_mapping().get("promote_on_hit", True))
 

@@ -1,4 +1,4 @@
-"""``python -m kvshrink.benchmarks.fuse_quality``: how close KV Fuse's prompt KV is to a full
+"""``python experiments/fuse_quality.py``: how close KV Fuse's prompt KV is to a full
 prefill's, on a RAG set made here (SmolLM2-135M-Instruct, transformers weights, CPU; no vLLM).
 
 The set (:func:`build_set`): ``--documents`` documents of real prose (the Python reference shipped
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshrink.benchmarks.cascade_bench import FIRST, LAST, TEMPLATES, judge
+from cascade_bench import FIRST, LAST, TEMPLATES, judge
 
 PLACES = ("Orion", "Vesper", "Kestrel", "Halcyon", "Meridian", "Tamarisk", "Sable", "Corvid", "Juniper", "Altair",
           "Borealis", "Cinder", "Dunmore", "Elmstead", "Foxglove", "Greywater", "Harrow", "Islay", "Jarrah",

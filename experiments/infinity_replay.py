@@ -21,7 +21,7 @@ L1 only stages (as in the e2e replay). Targets (issue 16): ``half``'s hit rate >
 its total prefill (sum of TTFT) <= 1.05x with a 95 % interval, prefetch waste (moved, evicted
 unread) <= 10 %.
 
-    sudo python -m kvshrink.benchmarks.infinity_replay --out /tmp/infinity
+    sudo python experiments/infinity_replay.py --out /tmp/infinity
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class InfinityReplay:
 
     def run(self) -> dict[str, Any]:
         from kvshrink.benchmarks.comparison import digest, model_fingerprint
-        from kvshrink.configs import store_record
+        from kvshrink.testing.derived_stores import store_record
 
         s = self.settings
         requests = trace_requests(self.paired, self.model)

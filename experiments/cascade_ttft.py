@@ -1,4 +1,4 @@
-"""``python -m kvshrink.benchmarks.cascade_ttft``: what the KV Cascade proxy saves a real vLLM --
+"""``python experiments/cascade_ttft.py``: what the KV Cascade proxy saves a real vLLM --
 TTFT, main-model prompt tokens and KV bytes -- against the same request sent to vLLM directly with
 the full documents, and the main / small model size ratio at which it breaks even on compute.
 
@@ -48,8 +48,8 @@ Size: the default (3 documents of >= 600 tokens, 6 steps) takes ~12-15 minutes o
 of >= 160 tokens, 2 steps) ~3. On a machine loaded by other work both take longer (the last
 ``--quick`` at 200 tokens a document took 7 minutes at a load average of 7-12 on 2 cores).
 
-    python -m kvshrink.benchmarks.cascade_ttft --out /tmp/cascade-ttft [--quick]
-    python -m kvshrink.benchmarks.cascade_ttft --markdown-from /tmp/cascade-ttft/cascade-ttft.json
+    python experiments/cascade_ttft.py --out /tmp/cascade-ttft [--quick]
+    python experiments/cascade_ttft.py --markdown-from /tmp/cascade-ttft/cascade-ttft.json
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kvshrink.benchmarks.cascade_bench import Question, build_set, judge, rag_messages
+from cascade_bench import Question, build_set, judge, rag_messages
 from kvshrink.benchmarks.e2e_paired import BYTES_PER_TOKEN, ENGINE_ARGS, ENGINE_LABEL, E2EError
 from kvshrink.benchmarks.paired_stats import paired_ratio, verdict
 
@@ -148,7 +148,8 @@ class CascadeTTFT:
 
     def start(self, max_model_len: int) -> None:
         """vLLM and the proxy, launched at once (each loads its model meanwhile), then both waited for."""
-        from kvshrink.testing.launch import LOOPBACK, ManagedProcess, VLLMServer, _http_ok, free_port
+        from kvshrink.testing.launch import VLLMServer
+        from kvshrink.testing.processes import LOOPBACK, ManagedProcess, _http_ok, free_port
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.own_vllm:

@@ -1,4 +1,4 @@
-"""``python -m kvshrink.benchmarks.fuse_ttft``: TTFT of KV Fuse against stock LMCache on RAG prompts
+"""``python experiments/fuse_ttft.py``: TTFT of KV Fuse against stock LMCache on RAG prompts
 whose documents were all seen before, in another order (issue 15: TTFT <= 0.4x stock's).
 
 Why it is measured this way: stock LMCache reuses only a prompt's exact prefix, so documents seen
@@ -14,8 +14,8 @@ evicted and stock is at its best: every chunk it could reuse is in its L1):
 * **stock**: ``lmcache server`` with no L2 adapter (the L1 holds everything); requests carry no
   ``cache_salt``, the salt its seeds were stored under, so its lookups find every prefix they can.
 * **ours**: ``kvshrink serve-cache`` (the real command) with the shipped default store
-  (``kvshrink.configs.derive_store``: moved to this run's folder and /dev/shm name, DRAM tier
-  resized) and ``fuse.enabled: true`` + the model path, every other fuse setting as shipped;
+  (``kvshrink.testing.derived_stores.derive_store``: moved to this run's folder and /dev/shm
+  name, DRAM tier resized) and ``fuse.enabled: true`` + the model path, every other fuse setting as shipped;
   requests carry the fused salt (:func:`kvshrink.fuse.keys.fused_salt`, ``kvfuse1-r0150-c1``),
   seeds too (a tenant that opts in sends it always).
 
@@ -43,8 +43,8 @@ Size: the default (12 documents of 512 tokens, 3 a request, ~1.8K-token prompts,
 takes ~21 minutes on 2 AVX2 cores (a cold prefill ~30 ms a token: ~55 s a stock request);
 ``--quick`` (4 documents of 256 tokens, 2 a request, 2 pairs) ~6.
 
-    python -m kvshrink.benchmarks.fuse_ttft --out /tmp/fuse-ttft [--quick]
-    python -m kvshrink.benchmarks.fuse_ttft --markdown-from /tmp/fuse-ttft/fuse-ttft.json
+    python experiments/fuse_ttft.py --out /tmp/fuse-ttft [--quick]
+    python experiments/fuse_ttft.py --markdown-from /tmp/fuse-ttft/fuse-ttft.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kvshrink.benchmarks.cascade_bench import FIRST, LAST, PLACES, SYSTEM, TEMPLATES, judge
+from cascade_bench import FIRST, LAST, PLACES, SYSTEM, TEMPLATES, judge
 from kvshrink.benchmarks.e2e_paired import ENGINE_ARGS, ENGINE_LABEL, E2EError, stores_idle, wait_stores_settled
 from kvshrink.benchmarks.paired_stats import paired_ratio, ratio_of_sums, verdict
 
@@ -203,7 +203,8 @@ class Stack:
 
     def launch(self, max_model_len: int) -> None:
         """Cache server and vLLM, without waiting (both stacks start at once)."""
-        from kvshrink.testing.launch import LOOPBACK, LMCacheServer, ManagedProcess, VLLMServer, free_port
+        from kvshrink.testing.launch import LMCacheServer, VLLMServer
+        from kvshrink.testing.processes import LOOPBACK, ManagedProcess, free_port
         from kvshrink.testing.mp_observe import HEARTBEAT_S
 
         logs = self.workdir / "logs"
@@ -244,7 +245,7 @@ class Stack:
 
     def store(self) -> dict[str, Any]:
         """The shipped default store, moved here and its DRAM tier resized; fusion on."""
-        from kvshrink.configs import derive_store
+        from kvshrink.testing.derived_stores import derive_store
 
         (self.workdir / "ssd").mkdir(parents=True, exist_ok=True)
         store = derive_store(paths={"ssd": self.workdir / "ssd"}, shm_names={"dram": self.shm_name},
@@ -253,7 +254,7 @@ class Stack:
         return store
 
     def wait_ready(self, timeout: float = 900.0) -> None:
-        from kvshrink.testing.launch import _http_ok
+        from kvshrink.testing.processes import _http_ok
         from kvshrink.testing.mp_observe import wait_for_engine
 
         self.server.wait_until(lambda: _http_ok(f"{self.http_url}/healthcheck"), timeout, "healthy")

@@ -28,7 +28,7 @@ files' I/O up front (``POSIX_FADV_WILLNEED``, all at once or one file ahead per 
 help: the first chunks' reads then shared the device with the read-ahead and decoding started
 later. The TTFT gap seen through vLLM is not in this path.
 
-    sudo python -m kvshrink.benchmarks.ssd_reads [--reps 7] [--throttle-mb-s 500 250] [--busy 0 2] [--json out.json]
+    sudo python experiments/ssd_reads.py [--reps 7] [--throttle-mb-s 500 250] [--busy 0 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class SsdReadBench:
     """The store with ``chunks`` on its SSD tier (see the module docstring), under ``workdir``."""
 
     def __init__(self, workdir: Path, chunks: Sequence[np.ndarray]) -> None:
-        from kvshrink.configs import derive_store
+        from kvshrink.testing.derived_stores import derive_store
         from kvshrink.store import TieredStore
 
         self.workdir, self.chunks = Path(workdir), list(chunks)

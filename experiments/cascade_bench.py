@@ -1,4 +1,4 @@
-"""``python -m kvshrink.benchmarks.cascade_bench``: answers and prompt tokens, full documents vs
+"""``python experiments/cascade_bench.py``: answers and prompt tokens, full documents vs
 documents condensed by the KV Cascade condenser, on a small RAG QA set made here.
 
 The set: documents of at least ``--min-doc-tokens`` tokens of real prose (the Python reference

@@ -1,6 +1,6 @@
 """Load time of real KV chunks, and what it costs a busy engine, under two codec thread budgets.
 
-``python -m kvshrink.benchmarks.cpu_budget_bench [--chunks 8] [--seconds 6] [--out FILE]``
+``python experiments/cpu_budget_bench.py [--chunks 8] [--seconds 6] [--out FILE]``
 
 What runs: a :class:`~kvshrink.store.TieredStore` with one compressed DRAM arena holding ``N``
 real SmolLM2 KV chunks (256 tokens, 5.9 MB each); ``--task-threads`` threads (the MP adapter's
