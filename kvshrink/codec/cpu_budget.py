@@ -1,15 +1,16 @@
-"""One process-wide budget of threads busy encoding or decoding, shared by every caller.
+"""A budget of threads busy encoding or decoding, shared by every caller that uses it: one
+process-wide (:func:`budget`), and one per store that sets ``engine.codec_threads``.
 
 Why: the LMCache adapter's task threads, the store's put / background / reader workers and each
-codec's own block pool used to nest (up to 4 + 2 + 1 + 4 + n threads compressing at once), so on
-a 2-core host the cache fought vLLM for its cores and itself for the caches. Now every thread that
-runs codec block work holds one *token* of this budget, whoever started it.
+codec's own block helpers nest (up to 4 + 2 + 1 + 4 + n threads could compress at once), so on a
+2-core host the cache would fight vLLM for its cores and itself for the caches. Every thread that
+runs codec block work holds one *token* of a budget, whoever started it.
 
 Contract:
 
-* **Size** (``limit()``): ``engine.codec_threads`` of a store config when a store set it
-  (:meth:`CpuBudget.configure`, called by the store's copy engine), else ``KVSHRINK_CODEC_THREADS``,
-  else the number of CPUs this process may run on (``os.sched_getaffinity``). Looked up at every
+* **Size** (``limit()``): the ``threads`` it was built with or given to
+  :meth:`CpuBudget.configure` (a store's ``engine.codec_threads``), else ``KVSHRINK_CODEC_THREADS``, else the number of CPUs this
+  process may run on (``os.sched_getaffinity``). Looked up at every
   call, so a change applies to calls that start afterwards; calls already running finish as they
   began.
 * **Tokens**: a caller takes one for itself (:meth:`CpuBudget.hold`, blocking until one is free:

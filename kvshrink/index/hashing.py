@@ -1,6 +1,6 @@
 """Prefix block hashes computed from token ids, identical in every process and on every machine.
 
-Choice (issue 6): the index never matches on the engines' own block hashes. vLLM hashes blocks with
+Choice: the index never matches on the engines' own block hashes. vLLM hashes blocks with
 a per-process ``NONE_HASH`` that is random unless ``PYTHONHASHSEED`` is fixed, with a configurable
 algorithm (pickle-based ``sha256`` by default, not stable across Python/vLLM versions); LMCache
 chunk hashes inherit the same dependency. A router that trusted them would silently never hit when

@@ -125,7 +125,7 @@ class EngineConfig:
     put_queue: int = 64
     background_queue: int = 256
     staging_bytes: int = 512 * 2**20
-    codec_threads: int | None = None  # process-wide codec thread budget (kvshrink.codec.cpu_budget); None: auto
+    codec_threads: int | None = None  # this store's codec thread budget (kvshrink.codec.cpu_budget); None: the process's
 
 
 @dataclass(frozen=True)

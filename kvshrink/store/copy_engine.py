@@ -12,9 +12,11 @@ full work queue rejects the descriptor instead of stalling. The same shape here:
   queues the job or returns None at once; the caller counts the drop. Nothing ever waits for room.
 
 Threads: the lanes and the reader pool only *call* the codec; the threads that run its block
-work, theirs included, are counted by the process's codec budget (:mod:`kvshrink.codec.cpu_budget`),
-which ``engine.codec_threads`` sets when given. So the worker counts below bound how many jobs are
-in flight, not how many cores the store burns: that is the budget's limit, whatever the nesting.
+work, theirs included, are counted by the store's codec budget (:attr:`CopyEngine.codec_budget`:
+its own :class:`~kvshrink.codec.cpu_budget.CpuBudget` of ``engine.codec_threads`` when given, else
+the process-wide one, which LMCache's task threads and other codecs share). So the worker counts
+below bound how many jobs are in flight, not how many cores the store burns: that is the budget's
+limit, whatever the nesting.
 
 The engine knows nothing about tiers: :class:`~kvshrink.store.tiered.TieredStore` gives it jobs
 (compress + write, write-back, demotion, promotion, parallel reads). Of the codec it knows only
@@ -35,6 +37,7 @@ import numpy as np
 from kvshrink.errors import KVShrinkError
 from kvshrink.store.config import EngineConfig
 from kvshrink.store.stats import ENGINE_COUNTERS, Counters
+from kvshrink.store.tier_codecs import StoreCodecs
 from kvshrink.store.warm_heap import keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -141,10 +144,11 @@ class CopyEngine:
     """Staging pool + a put lane + a background lane + a reader pool, with their counters."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.codec_threads is not None:  # process-wide: the last store to set it wins
-            from kvshrink.codec.cpu_budget import budget
+        from kvshrink.codec.cpu_budget import CpuBudget, budget
 
-            budget().configure(config.codec_threads)
+        self._own_budget = config.codec_threads is not None
+        self.codec_budget = CpuBudget(config.codec_threads) if self._own_budget else budget()
+        self.codecs = StoreCodecs(self.codec_budget)
         keep_freed_memory()  # chunk-sized buffers reuse warm pages (see warm_heap)
         self.staging = StagingPool(config.staging_bytes)
         self.puts = Lane("put", config.put_workers, config.put_queue)
@@ -202,9 +206,7 @@ class CopyEngine:
                 log.error("background store job failed", exc_info=exc)
 
     def stats(self) -> dict[str, int]:
-        from kvshrink.codec.cpu_budget import budget
-
-        codec = budget().stats()
+        codec = self.codec_budget.stats()
         return {**self.counters.snapshot(), "codec_threads": codec["limit"], "codec_threads_busy": codec["busy"],
                 "put_queue_depth": self.puts.pending(),
                 "background_queue_depth": self.background.pending(), "staging_bytes_in_use": self.staging.in_use(),
@@ -214,6 +216,8 @@ class CopyEngine:
         self.puts.close()
         self.background.close()  # after puts: their last write-backs are queued by now
         self.readers.shutdown(wait=True)
+        if self._own_budget:
+            self.codec_budget.shutdown()
 
 
 def chunk_nbytes(kv: Any) -> int:

@@ -55,11 +55,9 @@ class ReadPath:
         self._lock = threading.Lock()
         self.lanes_busy = 0  # lanes reserved now (under _lock): see reserve_lanes
 
-    def get_many(self, keys: list[bytes], outs: list[Any], drain: Callable[..., list[Hit]] | None = None) -> list[Any]:
+    def get_many(self, keys: list[bytes], outs: list[Any]) -> list[Any]:
         """Chunks for ``keys`` (checked by the caller; None for misses), decoded into ``outs``
-        (None entries: new arrays). ``drain``: the lane body, :meth:`drain` unless the caller
-        wraps it (to watch the lanes)."""
-        drain_lane = drain or self.drain
+        (None entries: new arrays); each lane runs :meth:`drain`."""
         self._prefetch.before_read(keys)  # wait for moves running, take queued ones over
         held = [self._tiers.held_locally(k) for k in keys]
         local = [i for i, here in enumerate(held) if here]
@@ -68,7 +66,7 @@ class ReadPath:
         # lanes pull local chunks from one counter, the caller's among them (a single get never
         # changes threads); see drain for which decodes run alone
         take = itertools.count().__next__
-        run_lane = partial(drain_lane, take, local, keys, outs, lanes, crowded)
+        run_lane = partial(self.drain, take, local, keys, outs, lanes, crowded)
         pending = []
         try:
             for _ in range(lanes - 1):
@@ -108,13 +106,11 @@ class ReadPath:
         less the lanes other reads run now, at most ``engine.read_workers + 1``. More would only
         queue for tokens. Also whether other reads held lanes already (``crowded``: then no
         decode of this batch hands blocks to helpers)."""
-        from kvshrink.codec.cpu_budget import budget
-
         cap = 1
         if len(keys) > 1:
             device = [t for t in self._tiers.local if self._tiers.tiers[t].device_reads]
             ahead = 1 if device and any(self._tiers.tiers[t].contains(k) for k in keys for t in device) else 0
-            cap = min(budget().limit() + ahead, self._config.engine.read_workers + 1)
+            cap = min(self._engine.codec_budget.limit() + ahead, self._config.engine.read_workers + 1)
         with self._lock:
             crowded = self.lanes_busy > 0
             lanes = min(len(keys), max(1, cap - self.lanes_busy))
@@ -148,7 +144,7 @@ class ReadPath:
             for index, tier in enumerate(self._tiers.tiers):
                 parked = self._ledger.parked_frame(key, index)
                 if parked is not None:
-                    chunk = _decode(parked, out)
+                    chunk = _decode(self._engine.codecs.decoder(serial), parked, out)
                     if chunk is not None:
                         return chunk, None
                 if self._tiers.hidden(index, key):
@@ -260,11 +256,11 @@ def _fetch_decode(tier: Tier, key: bytes, out: Any) -> Any:
     return tier.decode_frame(key, frame, out)
 
 
-def _decode(frame: bytes, out: Any) -> Any:
+def _decode(codec: Any, frame: bytes, out: Any) -> Any:
     """A parked frame decoded (into ``out`` when given); None if it does not decode."""
-    from kvshrink.codec import CodecError, decode
+    from kvshrink.codec import CodecError
 
     try:
-        return decode(frame, out=out)
+        return codec.decode(frame, out=out)
     except CodecError:
         return None

@@ -66,23 +66,6 @@ def check_key(key: object) -> bytes:
     return key
 
 
-_serial_codec: Any = None
-
-
-def decoder(serial: bool) -> Any:
-    """The codec a read decodes with: the process's default (block-parallel within the codec
-    budget), or, when ``serial``, one that uses only the calling thread (same frames, same
-    errors; it still holds a budget token while it works)."""
-    global _serial_codec
-    from kvshrink.codec import Codec, default_codec
-
-    if not serial:
-        return default_codec()
-    if _serial_codec is None:
-        _serial_codec = Codec(threads=1)
-    return _serial_codec
-
-
 def _never_pinned(key: bytes) -> bool:
     return False
 
@@ -95,6 +78,7 @@ class Tier(ABC):
     kind: str = ""
     config_class: type[TierConfig] = TierConfig  # holds and checks this kind's own config keys
     device_reads = False  # True: a read waits for a device (SSD): reads beside decodes keep the cores busy
+    codecs: Any = None  # the store's tier_codecs.StoreCodecs, set when a store opens the tier (None: process-wide)
 
     def __init__(self, config: TierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
         self.config = config
@@ -190,9 +174,10 @@ class Tier(ABC):
         it, so block helpers would only queue for the same cores), else the codec's block
         parallelism within the process budget."""
         from kvshrink.codec import CodecError
+        from kvshrink.store.tier_codecs import codecs_of
 
         try:
-            chunk = decoder(serial).decode(frame, out)
+            chunk = codecs_of(self).decoder(serial).decode(frame, out)
         except CodecError as exc:
             self.counters.add("misses")
             if self._verified(key):

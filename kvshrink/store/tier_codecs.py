@@ -2,7 +2,8 @@
 
 Every tier stores codec frames, compressed or not, so every read is checksum-verified: an
 uncompressed tier uses the codec's ``raw`` method (header + checksum + bytes). This module is the
-one place that knows how a tier's config maps to codec arguments.
+one place that knows how a tier's config maps to codec arguments, and which thread budget a
+store's encodes and decodes run on (:class:`StoreCodecs`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,37 @@ from typing import Any
 from kvshrink.store.tier_base import Tier
 
 RAW_METHOD = "raw"
+
+
+class StoreCodecs:
+    """The codecs one store encodes and decodes with, both on the store's thread budget: a
+    block-parallel one, and a serial one for a read lane that decodes beside other lanes (same
+    frames, same errors). Read-only after construction; any thread."""
+
+    def __init__(self, budget: Any = None) -> None:
+        from kvshrink.codec import Codec
+        from kvshrink.codec.cpu_budget import budget as process_budget
+
+        self.budget = process_budget() if budget is None else budget
+        self.parallel = Codec(budget=self.budget)
+        self.serial = Codec(threads=1, budget=self.budget)
+
+    def decoder(self, serial: bool) -> Any:
+        return self.serial if serial else self.parallel
+
+
+_process_codecs: StoreCodecs | None = None
+
+
+def codecs_of(tier: Tier) -> StoreCodecs:
+    """The codecs ``tier`` runs: its store's (set when the store opens it), else ones on the
+    process-wide budget (a tier used on its own)."""
+    global _process_codecs
+    if tier.codecs is not None:
+        return tier.codecs
+    if _process_codecs is None:
+        _process_codecs = StoreCodecs()
+    return _process_codecs
 
 
 def method_of(tier: Tier) -> tuple[str, int]:
@@ -46,14 +78,11 @@ class FrameSet:
     def frame_for(self, tier: Tier) -> Any:
         method, level = method_of(tier)
         if method not in self._frames:
-            from kvshrink.codec import encode
-
-            self._frames[method] = encode(self._source(), method=method, level=level)
+            codec = codecs_of(tier).parallel
+            self._frames[method] = codec.encode(self._source(codec), method=method, level=level)
         return self._frames[method]
 
-    def _source(self) -> Any:
+    def _source(self, codec: Any) -> Any:
         if self._chunk is None:
-            from kvshrink.codec import decode
-
-            self._chunk = decode(next(iter(self._frames.values())))
+            self._chunk = codec.decode(next(iter(self._frames.values())))
         return self._chunk

@@ -78,9 +78,6 @@ HINT_SHARE = 0.5  # most of the first tier one prefetch hint may fill (an arena 
 class TieredStore:
     """Ordered tiers (fastest first) behind one asynchronous, crash-safe key -> chunk API."""
 
-    # what the read path's lane count is now: tests watch it to see every lane stopped
-    _read_lanes_busy = property(lambda self: self._reads.lanes_busy)
-
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self._pins = Pins()
@@ -97,6 +94,8 @@ class TieredStore:
         tiers = TierSet(self.tiers, config.tiers)
         self._ledger = tiers.ledger
         self.engine = CopyEngine(config.engine)
+        for tier in self.tiers:  # encodes and decodes on the store's codec budget
+            tier.codecs = self.engine.codecs
         self._drops = DropListeners()
         self._placements = PlacementListeners()
         self._closed = False
@@ -113,9 +112,6 @@ class TieredStore:
         self._jobs.prefetch = self._prefetch
         self._reads = ReadPath(tiers, config, self.engine, reports, self._prefetch, self._idle, self._jobs.promote)
         self._tiers = tiers
-        # the read lanes, reachable as before (tests reserve them and watch which threads run them)
-        self._reserve_lanes, self._release_lanes, self._drain_reads = (
-            self._reads.reserve_lanes, self._reads.release_lanes, self._reads.drain)
         self._idle_demoter: IdleDemoter | None = None
         if self._idle is not None:
             self._idle_demoter = IdleDemoter(config.idle_demotion, self._idle, self._jobs.demote_idle)
@@ -205,7 +201,7 @@ class TieredStore:
         if len(outs) != len(keys):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output buffers")
         _require_open(self._closed)
-        return self._reads.get_many(keys, outs, drain=self._drain_reads)
+        return self._reads.get_many(keys, outs)
 
     def header(self, key: bytes) -> Any:
         """The stored chunk's frame header (dtype, shape, sizes) without decoding it, or None.

@@ -198,11 +198,16 @@ def test_default_is_the_affinity_then_env_then_config(monkeypatch, tmp_path, shm
     assert budget().limit() == 3 and Codec().threads == 3
     assert Codec(threads=1).threads == 1
     cfg = {"engine": {"codec_threads": 1}, "tiers": [{"kind": "dram", "capacity": 8 << 20, "shm_name": shm_name}]}
-    with TieredStore.from_config(cfg) as store:
-        assert budget().limit() == 1 and Codec().threads == 1  # the store's key wins over the env
-        assert store.stats()["engine"]["codec_threads"] == 1
-    budget().configure(None)
-    assert budget().limit() == 3
+    budget().reset_peak()
+    with TieredStore.from_config(cfg) as store:  # the store's key sizes its own budget, not the process's
+        assert store.engine.codec_budget.limit() == 1 and store.stats()["engine"]["codec_threads"] == 1
+        assert store.tiers[0].codecs.parallel.threads == 1 and store.tiers[0].codecs.budget is store.engine.codec_budget
+        assert budget().limit() == 3 and budget().configured is None and Codec().threads == 3
+        store.put(b"k", np.arange(4096, dtype=np.float32)).result()
+        assert store.get(b"k").tobytes() == np.arange(4096, dtype=np.float32).tobytes()
+        assert budget().stats()["peak_busy"] == 0 and store.engine.codec_budget.stats()["peak_busy"] == 1
+    with TieredStore.from_config({**cfg, "engine": {}}) as store:  # auto: the process's budget
+        assert store.engine.codec_budget is budget() and store.stats()["engine"]["codec_threads"] == 3
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])

@@ -34,8 +34,8 @@ def config(tmp_path, shm_name, *, dram=64 * MiB, read_workers=4, fsync=False):
 
 def lanes_for(store, keys) -> int:
     """The lanes a get_many of ``keys`` would run now (reserved, then given back)."""
-    lanes, _ = store._reserve_lanes(keys)
-    store._release_lanes(lanes)
+    lanes, _ = store._reads.reserve_lanes(keys)
+    store._reads.release_lanes(lanes)
     return lanes
 
 
@@ -74,24 +74,24 @@ def test_get_many_reads_memory_chunks_on_at_most_the_budgets_lanes(store, small_
     assert all(store.put(k, small_chunks[i % 16]).result(timeout=60) for i, k in enumerate(keys))
     assert lanes_for(store, keys) == min(len(keys), budget().limit())
     assert lanes_for(store, keys[:1]) == 1 and lanes_for(store, []) == 0
-    first, crowded = store._reserve_lanes(keys)  # a batch reading meanwhile leaves fewer lanes to the next
+    first, crowded = store._reads.reserve_lanes(keys)  # a batch reading meanwhile leaves fewer lanes to the next
     assert not crowded
-    second, crowded = store._reserve_lanes(keys)
+    second, crowded = store._reads.reserve_lanes(keys)
     assert crowded and second == max(1, budget().limit() - first)
-    store._release_lanes(first + second)
+    store._reads.release_lanes(first + second)
     outs = [np.empty_like(small_chunks[0]) for _ in keys]
     seen: set[str] = set()
-    drain = store._drain_reads
+    drain = store._reads.drain
 
     def spy(*args, **kwargs):  # the real drain, noting which threads ran lanes
         seen.add(threading.current_thread().name)
         return drain(*args, **kwargs)
 
-    store._drain_reads = spy
+    store._reads.drain = spy
     try:
         results = store.get_many(keys, outs)
     finally:
-        del store._drain_reads
+        del store._reads.drain
     assert len(seen) == min(len(keys), budget().limit())
     for i, (got, out) in enumerate(zip(results, outs)):
         assert got is out and np.array_equal(out, small_chunks[i % 16])
@@ -128,7 +128,7 @@ def test_concurrent_get_many_share_the_lanes_and_stay_bit_exact(store, small_chu
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(read, range(4)))
-    assert store._read_lanes_busy == 0
+    assert store._reads.lanes_busy == 0
 
 
 def test_a_failing_lane_is_waited_for_and_its_error_raised(store, small_chunks):
@@ -138,7 +138,7 @@ def test_a_failing_lane_is_waited_for_and_its_error_raised(store, small_chunks):
     outs[3] = np.empty(7, dtype=np.uint8)  # a buffer of the wrong size fails that chunk's decode
     with pytest.raises((ValueError, TypeError)):
         store.get_many(keys, outs)
-    assert store._read_lanes_busy == 0  # every lane had stopped before get_many raised
+    assert store._reads.lanes_busy == 0  # every lane had stopped before get_many raised
 
 
 def test_the_shipped_ssd_tier_does_not_fsync_each_put():
