@@ -61,7 +61,8 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 class ServerFlags:
     """The ``lmcache server`` flags serve-cache sets (its ``server`` section). Defaults are a
     service's, not a test's: LMCache's own ports (5555 requests on localhost, 8080 admin HTTP on
-    loopback only — it has no authentication —, 9090 Prometheus), and transfer mode ``auto``
+    loopback only — it has no authentication — which also serves Prometheus ``/metrics``; 9090 is
+    passed as ``--prometheus-port``, where LMCache 0.5.6 starts nothing), and transfer mode ``auto``
     (vLLM CPU's registration is refused without it; CUDA engines work with it too)."""
 
     host: str = "localhost"
@@ -208,8 +209,8 @@ def _fuse_section(section: Any) -> dict[str, Any] | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServerFlags()
     parser.add_argument("--config", type=Path, default=None,
-                        help=f"serve-cache YAML (see configs/serve-cache-*.yaml); default: ports {d.port} / "
-                             f"{d.http_port} / {d.prometheus_port} (Prometheus), {d.l1_size_gb:g} GB L1, chunk "
+                        help=f"serve-cache YAML (see configs/serve-cache-*.yaml); default: ports {d.port} (requests) / "
+                             f"{d.http_port} (HTTP: /status and Prometheus /metrics), {d.l1_size_gb:g} GB L1, chunk "
                              f"size {d.chunk_size}, and the shipped default store (store-default.yaml)")
     parser.add_argument("--check", action="store_true",
                         help="validate the file and the machine (directories, /dev/shm, Redis), print the exact "

@@ -52,14 +52,18 @@ def file_key_prefix(path: "str | Path") -> str:
 
 
 def preflight(config: "StoreConfig", key_prefix: str) -> None:
-    """Check what the YAML cannot: SSD directories are writable, DRAM tiers fit in /dev/shm, Redis
-    answers. Reads only: no directory, arena or key is created. (Codec methods and levels are
-    checked when the YAML is parsed, by ``kvshrink.store.config``.)"""
+    """Check what the YAML cannot: SSD directories are writable and their disks have room for the
+    tiers' capacities, DRAM tiers fit in /dev/shm, Redis answers. Reads only: no directory, arena
+    or key is created. (Codec methods and levels are checked when the YAML is parsed, by
+    ``kvshrink.store.config``.)"""
     dram_tiers: list["TierConfig"] = []
+    ssd_tiers: list["TierConfig"] = []
     for index, tier in enumerate(config.tiers):
         key = f"{key_prefix}tiers[{index}]"
         if tier.kind == "ssd":
             _check_directory(Path(tier.path), f"{key}.path")
+            ssd_tiers.append(tier)
+            _check_disk_room(ssd_tiers, f"{key}.capacity")
         elif tier.kind == "dram":
             dram_tiers.append(tier)
             _check_shm_room(dram_tiers, f"{key}.capacity")
@@ -137,6 +141,41 @@ def _check_shm_room(tiers: "list[TierConfig]", key: str) -> None:
                                + f" but {directory} has {describe_size(free)} free"
                                + (f" and {describe_size(held)} in existing arena files" if held else "")
                                + f"; lower the capacity or enlarge {directory}")
+
+
+def _check_disk_room(tiers: "list[TierConfig]", key: str) -> None:
+    """An SSD tier fills its disk up to its capacity; a disk that cannot hold it would fail puts
+    with a full disk later, after its other users had run short. Say so now: the SSD tiers so far
+    on the last one's file system must fit in its free space plus what their existing files
+    already hold (a tier reopens its files in place)."""
+    from kvshrink.store.shm_file import describe_size
+
+    def on_disk(path: Path) -> Path:  # the nearest existing folder (_check_directory passed)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        return path
+
+    last = on_disk(Path(tiers[-1].path))
+    device = os.stat(last).st_dev
+    same = [t for t in tiers if os.stat(on_disk(Path(t.path))).st_dev == device]
+    needed = sum(t.capacity for t in same)
+    held = sum(_tree_bytes(Path(t.path)) for t in same)
+    vfs = os.statvfs(last)
+    free = vfs.f_bavail * vfs.f_frsize
+    if needed > free + held:
+        raise ConfigError(key, f"the SSD tier at {tiers[-1].path} may fill {describe_size(tiers[-1].capacity)}"
+                               + (f" ({describe_size(needed)} with the SSD tiers before it on that disk)"
+                                  if len(same) > 1 else "")
+                               + f" but the disk holding {last} has {describe_size(free)} free"
+                               + (f" and {describe_size(held)} in the tier's existing files" if held else "")
+                               + "; lower the capacity or choose a larger disk")
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes the files under ``path`` hold on disk; 0 when it does not exist."""
+    if not path.is_dir():
+        return 0
+    return sum(_allocated_bytes(Path(root) / name) for root, _, names in os.walk(path) for name in names)
 
 
 def _allocated_bytes(path: Path) -> int:

@@ -37,16 +37,29 @@ def run(args: argparse.Namespace) -> int:
     token = os.environ.get(args.token_env)
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    if args.index_command == "stats":
-        resp = httpx.get(f"{args.url}/stats", headers=headers, timeout=10.0)
-    else:
-        body = {"model": args.model}
-        if args.prompt is not None:
-            body["prompt"] = args.prompt
+    try:
+        if args.index_command == "stats":
+            resp = httpx.get(f"{args.url}/stats", headers=headers, timeout=10.0)
         else:
-            body["token_ids"] = [int(t) for t in args.token_ids.split(",") if t.strip()]
-        resp = httpx.post(f"{args.url}/lookup", json=body, headers=headers, timeout=10.0)
-    print(json.dumps(resp.json(), indent=2))
+            body = {"model": args.model}
+            if args.prompt is not None:
+                body["prompt"] = args.prompt
+            else:
+                body["token_ids"] = [int(t) for t in args.token_ids.split(",") if t.strip()]
+            resp = httpx.post(f"{args.url}/lookup", json=body, headers=headers, timeout=10.0)
+    except ValueError:
+        print(f"kvshrink index {args.index_command}: --token-ids must be comma-separated integers", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # down, refused, timed out: one line, not a traceback
+        print(f"kvshrink index {args.index_command}: no index answers at {args.url} ({type(exc).__name__}: {exc}); "
+              "start one with `kvshrink index serve` or pass --url", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps(resp.json(), indent=2))
+    except ValueError:
+        print(f"kvshrink index {args.index_command}: {args.url} answered HTTP {resp.status_code} with a body that "
+              "is not JSON: is it a KVShrink index?", file=sys.stderr)
+        return 1
     return 0 if resp.status_code == 200 else 1
 
 

@@ -80,6 +80,25 @@ def test_dram_tier_larger_than_dev_shm_is_refused(shm_name, tmp_path):
     assert not (SHM_DIR / shm_name).exists()
 
 
+def test_ssd_tier_larger_than_its_disk_is_refused(shm_name, tmp_path):
+    """Capacity beyond the disk's free space: refused at start-up naming the key, nothing created;
+    two SSD tiers on one disk count together, and a tier that fits starts."""
+    vfs = os.statvfs(tmp_path)
+    free = vfs.f_bavail * vfs.f_frsize
+    too_big = {"tiers": [{"kind": "ssd", "path": str(tmp_path / "ssd"), "capacity": free + 2**30}]}
+    with pytest.raises(ConfigError) as info:
+        build_from_json(plugin_json({"store": too_big}))
+    assert info.value.key == "adapter_params.store.tiers[0].capacity" and "free" in str(info.value)
+    assert not (tmp_path / "ssd").exists()
+    two = {"tiers": [{"kind": "ssd", "name": "a", "path": str(tmp_path / "a"), "capacity": free * 3 // 5},
+                     {"kind": "ssd", "name": "b", "path": str(tmp_path / "b"), "capacity": free * 3 // 5}]}
+    with pytest.raises(ConfigError) as info:
+        build_from_json(plugin_json({"store": two}))
+    assert info.value.key == "adapter_params.store.tiers[1].capacity" and "SSD tiers before it" in str(info.value)
+    fits = {"tiers": [{"kind": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB"}]}
+    build_from_json(plugin_json({"store": fits})).close()
+
+
 def test_unreachable_redis_at_start_up_is_refused(tmp_path):
     store = {"tiers": [{"kind": "ssd", "path": str(tmp_path / "ssd"), "capacity": "1GiB"},
                        {"kind": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "capacity": 0}]}

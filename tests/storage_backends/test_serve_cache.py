@@ -76,6 +76,9 @@ def test_check_without_config_validates_the_default_store_on_this_machine(tmp_pa
     needed = StoreConfig.load(default_store_path()).tiers[0].capacity
     if shutil.disk_usage(SHM_DIR).free < needed:
         pytest.skip(f"/dev/shm has less than the default DRAM tier's {needed >> 30} GiB free")
+    disk = StoreConfig.load(default_store_path()).tiers[1].capacity
+    if shutil.disk_usage(tmp_path).free < disk:
+        pytest.skip(f"this disk has less than the default SSD tier's {disk >> 30} GiB free")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default SSD tier is ~/.cache/kvshrink/store-ssd
     assert kvshrink_main(["serve-cache", "--check"]) == 0
     out = capsys.readouterr().out
