@@ -40,8 +40,8 @@ TRANSFORM_CHOICES = ("auto", "none", "rotl1")
 
 
 def default_threads() -> int:
-    """The process budget's limit: ``engine.codec_threads`` of a store that set it, else
-    ``KVSHRINK_CODEC_THREADS``, else the CPUs this process may use (ConfigError if malformed)."""
+    """The process-wide budget's limit: ``KVSHRINK_CODEC_THREADS``, else the CPUs this process may
+    use (ConfigError if malformed); a store with ``engine.codec_threads`` runs on a budget of its own."""
     return _process_budget().limit()
 
 
@@ -118,8 +118,8 @@ class Codec:
         plan = EncodePlan(method, level, self.hash_log, attempt, rotate, nstreams, block_elems)
         nblocks = block_count(kind.size, block_elems)
         threads, parallel = self.threads, _parallel(nblocks, kind.nbytes)
+        groups = _groups(nblocks, threads if parallel else 1)
         if fast_words_apply(plan):  # one kernel call per group of blocks
-            groups = _groups(nblocks, threads if parallel else 1)
             blocks = [blk for group in self.budget.run(len(groups), lambda g: encode_fast_words(rows, plan, *groups[g]),
                                                     threads, parallel) for blk in group]
         else:
@@ -137,8 +137,7 @@ class Codec:
                 frame, dest = made
             else:
                 return b"".join([header, *(p for blk in blocks for p in blk.payloads)])
-            groups = len(_groups(nblocks, threads if parallel else 1))
-            frame_writer.write(dest, header, [blk.payloads for blk in blocks], groups,
+            frame_writer.write(dest, header, [blk.payloads for blk in blocks], len(groups),
                                lambda count, work: self.budget.run(count, work, threads, parallel))
             return frame
         finally:

@@ -54,8 +54,7 @@ class WordBlocks:
             status = kernels.decode_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.widths,
                                                 self.bases, self.planes_len, elems, out, rotate, b, b + 1)
             if status:
-                raise CodecError("packed stream has " + ("more escape codes than exceptions" if -status % 4 == 1
-                                                         else "more exceptions than escape codes"))
+                raise packed.kernel_error(-(-status % 4))
             if xxhash.xxh3_64_intdigest(out[b * elems:(b + 1) * elems]) != int(self.checksums[b]):
                 raise CodecError(f"checksum mismatch in block {b} of {h.nblocks} (corrupt payload)")
 

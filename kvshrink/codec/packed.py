@@ -176,8 +176,14 @@ def _decode(planes: np.ndarray, w: int, base: int, exc: np.ndarray, low: np.ndar
     else:
         status = _np_decode(planes.view(np.uint8), w, base, exc, low, out, rotate)
     if status:
-        raise CodecError("packed stream has " + ("more escape codes than exceptions" if status == -1
-                                                 else "more exceptions than escape codes"))
+        raise kernel_error(status)
+
+
+def kernel_error(status: int) -> CodecError:
+    """The CodecError for a decode kernel's negative status (-1: more escape codes than exception
+    bytes, -2: fewer)."""
+    return CodecError("packed stream has " + ("more escape codes than exceptions" if status == -1
+                                              else "more exceptions than escape codes"))
 
 
 def _histogram(src: np.ndarray, rotate: bool) -> np.ndarray:
