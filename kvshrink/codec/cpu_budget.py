@@ -9,9 +9,9 @@ runs codec block work holds one *token* of a budget, whoever started it.
 Contract:
 
 * **Size** (``limit()``): the ``threads`` it was built with or given to
-  :meth:`CpuBudget.configure` (a store's ``engine.codec_threads``), else ``KVSHRINK_CODEC_THREADS``, else the number of CPUs this
-  process may run on (``os.sched_getaffinity``). Looked up at every
-  call, so a change applies to calls that start afterwards; calls already running finish as they
+  :meth:`CpuBudget.configure` (a store's ``engine.codec_threads``), else
+  ``KVSHRINK_CODEC_THREADS``, else the number of CPUs this process may run on
+  (``os.sched_getaffinity``). Looked up at every call, so a change applies to calls that start afterwards; calls already running finish as they
   began.
 * **Tokens**: a caller takes one for itself (:meth:`CpuBudget.hold`, blocking until one is free:
   then the budget's cores are busy anyway) and, without waiting, up to ``threads - 1`` more for
