@@ -64,6 +64,8 @@ def test_vllm_publisher_to_lookup_remove_clear_restart(start_index, http):
         _publish(a, [vllm_stored([11, 12, 13], PROMPT[:48], 16)])
         _publish(b, [vllm_stored([91], PROMPT[:16], 16)])
         wait_for(lambda: _lookup(http, server)["a"]["matched_tokens"] == 48, what="a's blocks")
+        # the two publishers are separate sockets: b's batch may arrive after a's
+        wait_for(lambda: _lookup(http, server)["b"]["matched_tokens"] == 16, what="b's blocks")
         ranked = _lookup(http, server)
         assert ranked["a"]["tiers"]["gpu"] == 48 and ranked["b"]["matched_tokens"] == 16
         assert list(ranked)[0] == "a"
