@@ -50,9 +50,11 @@ def _store_config(workdir: Path, shm_name: str, *, dram: int = 0, ssd: int = 64 
                   promote: bool = False) -> dict[str, Any]:
     tiers: list[dict[str, Any]] = []
     if dram:
-        tiers.append({"kind": "dram", "capacity": dram, "shm_name": shm_name})
-    tiers.append({"kind": "ssd", "capacity": ssd, "path": str(workdir / "ssd"), "write_back": write_back and bool(dram)})
-    return {"tiers": tiers, "promote_on_hit": promote, "engine": {"staging_bytes": "1GiB", "put_queue": 64}}
+        tiers.append({"kind": "dram", "capacity": dram, "shm_name": shm_name, "codec": "raw"})
+    tiers.append({"kind": "ssd", "capacity": ssd, "path": str(workdir / "ssd"), "write_back": write_back and bool(dram),
+                  "fsync": True})
+    return {"tiers": tiers, "promote_on_hit": promote, "persist_on_close": False,
+            "engine": {"staging_bytes": "1GiB", "put_queue": 64}}
 
 
 def _chunk_files(root: Path) -> list[os.stat_result]:

@@ -1,8 +1,8 @@
 """The configuration files KVShrink ships, installed as package data (``kvshrink.configs``).
 
-The checkout's ``configs/`` folder is this package, so ``kvshrink serve-cache`` and ``kvshrink
+The checkout's ``configs/`` folder is this package, so ``kvshrink cache serve`` and ``kvshrink
 bench`` find the same files from any folder after ``pip install .``. One file is THE default store,
-``store-default.yaml``: ``serve-cache`` without ``--config`` runs it, the in-process LMCache YAMLs
+``store-default.yaml``: ``cache serve`` without ``--config`` runs it, the in-process LMCache YAMLs
 load it, and every benchmark section measures it (moved and resized only:
 ``kvshrink.testing.derived_stores``).
 

@@ -13,7 +13,7 @@ evicted and stock is at its best: every chunk it could reuse is in its L1):
 
 * **stock**: ``lmcache server`` with no L2 adapter (the L1 holds everything); requests carry no
   ``cache_salt``, the salt its seeds were stored under, so its lookups find every prefix they can.
-* **ours**: ``kvshrink serve-cache`` (the real command) with the shipped default store
+* **ours**: ``kvshrink cache serve`` (the real command) with the shipped default store
   (``kvshrink.testing.derived_stores.derive_store``: moved to this run's folder and /dev/shm
   name, DRAM tier resized) and ``fuse.enabled: true`` + the model path, every other fuse setting as shipped;
   requests carry the fused salt (:func:`kvshrink.fuse.keys.fused_salt`, ``kvfuse1-r0150-c1``),
@@ -68,7 +68,7 @@ from kvshrink.benchmarks.paired_stats import paired_ratio, ratio_of_sums, verdic
 
 TTFT_TARGET = 0.4  # ours / stock on reordered prompts (issue 15)
 MODEL = "smollm2"
-CHUNK = 256  # LMCache's chunk (serve-cache's and LMCacheServer's default)
+CHUNK = 256  # LMCache's chunk (`cache serve`'s and LMCacheServer's default)
 STOCK, OURS = "stock", "ours"
 SIDES = (STOCK, OURS)
 HEADER_TOKENS = CHUNK  # the system prefix: one chunk, the reuse stock has
@@ -188,7 +188,7 @@ def stream(base_url: str, prompt: list[int], salt: str | None, max_tokens: int,
 
 
 class Stack:
-    """One ``lmcache server`` (stock's directly, ours through ``kvshrink serve-cache``) and its vLLM."""
+    """One ``lmcache server`` (stock's directly, ours through ``kvshrink cache serve``) and its vLLM."""
 
     def __init__(self, side: str, settings: FuseTTFTSettings, workdir: Path, model: Path) -> None:
         from kvshrink.fuse.keys import FuseSettings, fused_salt
@@ -227,11 +227,11 @@ class Stack:
                       "store": store}
             path = self.workdir / "serve-cache.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
-            self.server = ManagedProcess([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path),
+            self.server = ManagedProcess([sys.executable, "-m", "kvshrink.cli", "cache", "serve", "--config", str(path),
                                           "--log-file", str(logs / "lmcache-ours.log"), "--ready-timeout", "900"],
                                          env={"LMCACHE_LOG_LEVEL": "INFO"}, log_path=logs / "serve-cache.log").start()
             self.http_url = f"http://{LOOPBACK}:{http_port}"
-            self.config = {"command": ["kvshrink", "serve-cache", "--config", str(path)], "serve_cache": config,
+            self.config = {"command": ["kvshrink", "cache", "serve", "--config", str(path)], "serve_cache": config,
                            "cache_salt": self.salt}
         transfer = {"kv_connector": "LMCacheMPConnector",
                     "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
@@ -422,7 +422,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         "| stack | TTFT (median) | vs stock, 95 % | target | verdict | hit tokens | answers = stock's |",
         "|---|---:|---:|---:|---|---:|---:|",
         f"| stock LMCache (prefix reuse) | {t[STOCK]['median']:.2f} s | | | | {f['hit_tokens'][STOCK]:.0f} | |",
-        f"| KV Fuse (`kvshrink serve-cache`, fuse on) | {t[OURS]['median']:.2f} s | {r['median']:.3f} "
+        f"| KV Fuse (`kvshrink cache serve`, fuse on) | {t[OURS]['median']:.2f} s | {r['median']:.3f} "
         f"({r['low']:.3f}-{r['high']:.3f}) | <= {r['target']:g} | {r['verdict']} | {f['hit_tokens'][OURS]:.0f} | "
         f"{f['answers_agree']}/{f['pairs']} |",
         "",

@@ -145,9 +145,10 @@ class _Ours:
 @functools.cache
 def _shipped_promotes() -> bool:
     """Whether the shipped default promotes an SSD hit (read once: every budget asks)."""
+    from kvshrink.store.config import StoreConfig
     from kvshrink.testing.derived_stores import load_store_mapping
 
-    return bool(load_store_mapping().get("promote_on_hit", True))
+    return bool(load_store_mapping().get("promote_on_hit", StoreConfig.promote_on_hit))
 
 
 def predict(requests: Sequence[Any], dram_mib: float, ssd_mib: float, chunk_tokens: int,

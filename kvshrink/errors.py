@@ -42,3 +42,19 @@ class ConfigError(KVShrinkError, ValueError):
 class InvalidKeyError(KVShrinkError, TypeError, ValueError):
     """A store key is not bytes, or is empty or too long: a caller bug, raised by the call itself
     (never through a Future). Both a TypeError and a ValueError, as the two checks were before."""
+
+
+class MissingExtraError(KVShrinkError, ImportError):
+    """An optional dependency is not installed: ``what`` (``kvshrink cache serve``) needs ``module``,
+    which the setup.cfg extra ``extra`` installs. The message is the whole fix, one line:
+    ``kvshrink cache serve needs lmcache: pip install 'kvshrink[lmcache]'``. An ImportError too, so
+    code that already treats a missing import as "feature unavailable" keeps doing so."""
+
+    def __init__(self, module: str, extra: str, what: str) -> None:
+        super().__init__(f"{what} needs {module}: pip install 'kvshrink[{extra}]'", name=module)
+        self.module = module
+        self.extra = extra
+        self.what = what
+
+    def __reduce__(self) -> tuple:  # survive pickling (process pools) with all three fields
+        return (type(self), (self.module, self.extra, self.what))

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent: .venv-router/, a Python >= 3.12 environment with production-stack's router
 # (`vllm_router`, from the vendored tests/vendor/production-stack-*.tar.gz: it is not on the package
-# registry) and this project (editable, --no-deps, plus httpx and msgspec, all that
-# kvshrink.plugins.router needs). tests/index/test_index_vllm_e2e.py runs the real router from it.
+# registry) and this project (editable, with its `router` extra: all that kvshrink.plugins.router
+# needs). tests/index/test_index_vllm_e2e.py runs the real router from it.
 # Called by scripts/setup.sh. Without a Python >= 3.12 (pyenv's ~/.pyenv/versions/3.12*, or
 # python3.12 / python3.13 on PATH, or $KVSHRINK_ROUTER_BASE_PYTHON) it says so and skips; so do the
 # router tests.
@@ -38,8 +38,8 @@ log="$venv/setup.log"
 mkdir -p "$src"
 tar -xzf "$tarball" -C "$src" --strip-components=1
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check)
-if ! { SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 "${pip[@]}" "$src" httpx msgspec &&
-       "${pip[@]}" --no-deps -e . &&
+if ! { SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 "${pip[@]}" "$src" &&
+       "${pip[@]}" -e '.[router]' &&
        "$venv/bin/python" -c 'import vllm_router.app, kvshrink.plugins.router.router_launcher'; } >"$log" 2>&1; then
   tail -n 30 "$log" >&2
   echo "setup: building $venv failed (full log: $log)" >&2

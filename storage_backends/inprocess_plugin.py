@@ -15,6 +15,16 @@ LMCache only logs a plugin whose constructor raises, and goes on without it; so 
 logged here at ERROR with the key to fix *and* raised, and ``Created dynamic backend: kvshrink``
 in the log is the sign that it loaded.
 
+Metrics: as LMCache's in-process engine does with its own ``lmcache:*`` metrics, the store's
+(``kvshrink_store_*``, :mod:`kvshrink.store.metrics`) and the plugin's counters
+(``kvshrink_plugin_<counter>_total``) go into prometheus_client's default registry of the process
+the plugin runs in (vLLM's engine process). vLLM's ``/metrics`` shows them with LMCache's when
+``PROMETHEUS_MULTIPROC_DIR`` is set for every vLLM process (LMCache's default folder is
+``/tmp/lmcache_prometheus``; clear it between runs): the plugin then copies the scrape-time values
+into that folder every :data:`MIRROR_INTERVAL_S` seconds. Without it, LMCache's internal API server
+(``internal_api_server_enabled: true``; port ``internal_api_server_port_start`` + 1 + worker id)
+serves them on its ``/metrics``. Names: ``docs/observability.md``.
+
 Buffers and references: ``StorageManager.batched_put`` drops its reference to each object right
 after ``batched_submit_put_task`` returns, so every object is ``ref_count_up``'d before the call
 returns and released once the store has staged its copy. Objects returned by the get methods are
@@ -36,6 +46,7 @@ from kvshrink.storage_backends.keys import encode_engine_key
 from kvshrink.storage_backends.memory_objs import chunk_tensor
 from kvshrink.storage_backends.plugin_settings import PluginSettings
 from kvshrink.storage_backends.store_setup import open_store, warm_codec
+from kvshrink.store.metrics import MultiprocessMirror, SnapshotCollector, multiprocess_mode, register, unregister
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +54,9 @@ if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
 
 log = logging.getLogger(__name__)
+
+PLUGIN_COUNTERS = ("puts_submitted", "puts_skipped_format", "puts_failed", "allocation_failures", "get_errors")
+MIRROR_INTERVAL_S = 5.0  # multiprocess mode: how often the scrape-time metrics are copied to files
 
 
 class KVShrinkStoragePlugin(StoragePluginInterface):
@@ -70,10 +84,15 @@ class KVShrinkStoragePlugin(StoragePluginInterface):
                                            thread_name_prefix="kvshrink-get")
         self._submitting: set[bytes] = set()
         self._lock = threading.Lock()
-        self._counters = {"puts_submitted": 0, "puts_skipped_format": 0, "puts_failed": 0,
-                          "allocation_failures": 0, "get_errors": 0}
+        self._counters = dict.fromkeys(PLUGIN_COUNTERS, 0)
         self._warned: set[str] = set()
         self._closed = False
+        counters = SnapshotCollector("kvshrink_plugin", self._counts, PLUGIN_COUNTERS, what="in-process plugin")
+        self._exported = [c for c in (self._store.metrics, counters) if register(c)]
+        self._mirror = None
+        if multiprocess_mode():  # collectors are not read there: copy their values into files
+            self._mirror = MultiprocessMirror(lambda: [*self._store.metrics.collect_snapshot(), *counters.collect()],
+                                              MIRROR_INTERVAL_S)
         log.info("kvshrink storage plugin ready: store %s, memory format %s",
                  self._settings.store_source, self._settings.memory_format.name)
 
@@ -237,9 +256,7 @@ class KVShrinkStoragePlugin(StoragePluginInterface):
 
     def stats(self) -> dict[str, Any]:
         """Plugin counters plus the store's (tier hits, puts, quarantines...)."""
-        with self._lock:
-            counters = dict(self._counters)
-        return {**counters, "store": self._store.stats()}
+        return {**self._counts(), "store": self._store.stats()}
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every submitted put has been staged and written (tests, benchmarks)."""
@@ -252,6 +269,10 @@ class KVShrinkStoragePlugin(StoragePluginInterface):
         self._closed = True
         self._submitter.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        if self._mirror is not None:
+            self._mirror.close()
+        for collector in self._exported:
+            unregister(collector)
         self._store.close()
         log.info("kvshrink storage plugin closed")
 
@@ -259,6 +280,10 @@ class KVShrinkStoragePlugin(StoragePluginInterface):
     def _count(self, name: str) -> None:
         with self._lock:
             self._counters[name] += 1
+
+    def _counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
 
     def _warn_once(self, topic: str, message: str, *args: Any) -> None:
         with self._lock:

@@ -6,7 +6,7 @@ Load it into ``lmcache server``::
                    "class_name": "KVShrinkL2Adapter",
                    "adapter_params": {"config": "configs/store-default.yaml"}}'
 
-(or ``kvshrink serve-cache --config ...``, which builds that line from one YAML file).
+(or ``kvshrink cache serve --config ...``, which builds that line from one YAML file).
 ``adapter_params``: ``config`` (path to a store YAML) or ``store`` (the same mapping inline), and
 optionally ``workers`` (threads that run submitted tasks, default 4). Reporting to the KVShrink
 index where each chunk lives (off by default; see :mod:`~kvshrink.storage_backends.tier_reporter`):
@@ -41,10 +41,11 @@ Contract with LMCache (``l2_adapters/base.py``), and how it is kept:
   key the store already holds (left by an earlier server process) announces it without
   rewriting it. Notifiers run on whichever thread saw the change (LMCache's caller, a task
   thread, a store worker); LMCache's listeners and event bus are thread-safe.
-* The store's counters (tiers, engine, ``prefetch_*``, ``idle_*``) are also registered with
-  ``prometheus_client``'s default registry (:class:`~kvshrink.store.stats.StoreCollector`, read at
-  scrape time), which LMCache's ``/metrics`` serves, as ``kvshrink_store_*``; a second adapter in
-  one process is not registered (logged).
+* The store's metrics (``store.metrics``, :mod:`kvshrink.store.metrics`: bytes in and resident
+  per tier, raw and stored, latency histograms, losses, and the ``stats()`` counters) and the tier
+  reporter's are registered with ``prometheus_client``'s default registry, which LMCache's
+  ``/metrics`` (HTTP port) serves, as ``kvshrink_store_*`` and ``kvshrink_tier_reporter_*``
+  (docs/observability.md); a second adapter in one process is not registered (logged).
 * ``prefetch(keys)`` (the prefetch-hint server module's entry, :mod:`~kvshrink.storage_backends.prefetch_hints`)
   queues store prefetches of ObjectKeys and returns at once; :func:`live_adapters` lists the
   adapters open in this process (weakly held) for that module to find.
@@ -72,6 +73,7 @@ from kvshrink.storage_backends.mp_adapter_config import DEFAULT_WORKERS, PARAMS_
 from kvshrink.storage_backends.store_setup import file_key_prefix, open_store, warm_codec
 from kvshrink.storage_backends.task_channels import L2TaskRunner, when_all_done
 from kvshrink.storage_backends.tier_reporter import TierReporter, media_of, subscribe_tokens
+from kvshrink.store.metrics import register, unregister
 
 if TYPE_CHECKING:
     from lmcache.lmcache_native import Bitmap
@@ -124,7 +126,8 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         self._store.add_drop_listener(self._announced.gone)
         if self._reporter is not None:
             self._store.add_placement_listener(self._reporter.notify)
-        self._collector = _register_metrics(self._store)
+        collectors = [self._store.metrics] + ([self._reporter.collector()] if self._reporter is not None else [])
+        self._exported = [c for c in collectors if register(c)]
         _LIVE.add(self)
         log.info("KVShrinkL2Adapter ready: tiers %s", [t.name for t in config.store_config.tiers])
 
@@ -317,7 +320,8 @@ class KVShrinkL2Adapter(L2AdapterInterface):
             return
         self._closed = True
         _LIVE.discard(self)
-        _unregister_metrics(self._collector)
+        for collector in self._exported:
+            unregister(collector)
         try:
             self._runner.close()
             if self._reporter is not None:
@@ -325,32 +329,6 @@ class KVShrinkL2Adapter(L2AdapterInterface):
         finally:
             self._store.close()
         log.info("KVShrinkL2Adapter closed")
-
-
-def _register_metrics(store: Any) -> Any:
-    """A StoreCollector for ``store`` on prometheus_client's default registry, or None."""
-    try:
-        from prometheus_client import REGISTRY
-
-        from kvshrink.store import StoreCollector
-
-        collector = StoreCollector(store.stats)
-        REGISTRY.register(collector)
-        return collector
-    except (ImportError, ValueError) as exc:  # ValueError: another store's collector holds the names
-        log.info("KVShrinkL2Adapter: store counters not exported to Prometheus: %s", exc)
-        return None
-
-
-def _unregister_metrics(collector: Any) -> None:
-    if collector is None:
-        return
-    from prometheus_client import REGISTRY
-
-    try:
-        REGISTRY.unregister(collector)
-    except KeyError:
-        pass
 
 
 def _put_succeeded(future: Future) -> bool:

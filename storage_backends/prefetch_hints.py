@@ -9,7 +9,7 @@ request up, so the load that follows reads DRAM. Loaded as a server module::
         --server-module '{"module_path": "kvshrink.storage_backends.prefetch_hints",
                           "config": {"port": 8210}}'
 
-(``kvshrink serve-cache`` adds that flag from the ``hints`` section of its YAML).
+(``kvshrink cache serve`` adds that flag from the ``hints`` section of its YAML).
 
 Why a server module and not a listener of the adapter: the chunk keys must be exactly LMCache's,
 and only the server holds what makes them — its ``token_hasher`` (chunk size, hash algorithm and
@@ -33,6 +33,9 @@ HTTP API (JSON; errors are ``{"error": code, "field": name-or-null, "detail": te
                        ``max_tokens``, 503 when the server has no KVShrink L2 adapter (or is
                        closing it).
 ``GET /v1/prefetch/stats``  the hint counters and the store's ``prefetch_*`` counters.
+                       The hint counters are also on the server's ``/metrics``
+                       (``kvshrink_prefetch_<counter>_total``, e.g. ``kvshrink_prefetch_hints_total``),
+                       the store's as ``kvshrink_store_engine_prefetch_*``.
 ``GET /healthz``       liveness (never authenticated).
 
 Auth, as the KVShrink index (:mod:`kvshrink.index.app`): bound to loopback by default; with
@@ -66,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from kvshrink.config_checks import int_value, mapping_value, port_value
 from kvshrink.errors import ConfigError, KVShrinkError, StoreClosedError
+from kvshrink.store.metrics import SnapshotCollector, register, unregister
 
 if TYPE_CHECKING:
     from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext
@@ -181,6 +185,8 @@ class PrefetchHintModule:
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvshrink-hints", daemon=True)
         self._thread.start()
+        self._collector = SnapshotCollector("kvshrink_prefetch", self._counts, HINT_COUNTERS, what="prefetch hint")
+        register(self._collector)
         log.info("prefetch hints listening on http://%s:%d/v1/prefetch%s", settings.host, self.port,
                  " (bearer token required)" if settings.auth_token else "")
 
@@ -194,6 +200,7 @@ class PrefetchHintModule:
                                             **self._counts()}}
 
     def close(self) -> None:
+        unregister(self._collector)
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()

@@ -1,11 +1,13 @@
-"""``kvshrink serve-cache [--config FILE]``: LMCache's multiprocess cache server with the KVShrink
-L2 adapter, configured from one YAML file; without ``--config``, every server default below and
-the shipped default store (``kvshrink.configs.default_store_path()``, ``store-default.yaml``).
+"""``kvshrink cache serve [--config FILE]`` (formerly ``kvshrink serve-cache``): LMCache's
+multiprocess cache server with the KVShrink L2 adapter, configured from one YAML file (a
+"serve-cache file"); without ``--config``, every server default below and the shipped default
+store (``kvshrink.configs.default_store_path()``, ``store-default.yaml``).
 
 The file has these sections::
 
     server:   {host, port, http_host, http_port, prometheus_port, l1_size_gb, chunk_size,
-               supported_transfer_mode, extra_args}                   # `lmcache server` flags
+               supported_transfer_mode, extra_args,                    # `lmcache server` flags
+               shutdown_timeout_s}              # how long a stop waits for the store to close
     adapter:  {workers, index_url, index_instance_id, index_flush_interval, index_max_pending}
                                                # optional; index_*: report tiers to the index
     store:    {tiers: [...], engine: {...}, ...}   # a store mapping, or the path of a store YAML
@@ -22,7 +24,8 @@ Everything is validated here first (``ConfigError`` names the key, e.g. ``store.
 the SSD directory, /dev/shm room and Redis are checked too, creating nothing). Then one pure
 function, :func:`lmcache_server_argv`, turns the config into the ``lmcache server`` command line:
 ``--check`` prints exactly that list and exits; otherwise it runs as a child process until SIGINT /
-SIGTERM. The test and benchmark launcher (``kvshrink.testing.launch.LMCacheServer``) builds its
+SIGTERM, then gets SIGTERM itself and ``shutdown_timeout_s`` to close the store (``persist_on_close``
+copies DRAM to SSD then) before its process group is killed. The test and benchmark launcher (``kvshrink.testing.launch.LMCacheServer``) builds its
 command with the same function, passing its own choices (free loopback ports); nothing here
 imports it.
 """
@@ -55,15 +58,25 @@ _SECTIONS = {"server", "adapter", "store", "hints", "fuse"}
 HINTS_MODULE = "kvshrink.storage_backends.prefetch_hints"
 FUSE_MODULE = "kvshrink.storage_backends.kv_fuse.server_module"  # named, not imported: it loads LMCache and torch
 _WILDCARDS = ("0.0.0.0", "::", "")
+DEFAULT_SHUTDOWN_TIMEOUT_S = 120.0  # ServerFlags says why
 
 
 @dataclass(frozen=True)
 class ServerFlags:
-    """The ``lmcache server`` flags serve-cache sets (its ``server`` section). Defaults are a
-    service's, not a test's: LMCache's own ports (5555 requests on localhost, 8080 admin HTTP on
-    loopback only — it has no authentication — which also serves Prometheus ``/metrics``; 9090 is
-    passed as ``--prometheus-port``, where LMCache 0.5.6 starts nothing), and transfer mode ``auto``
-    (vLLM CPU's registration is refused without it; CUDA engines work with it too)."""
+    """The ``lmcache server`` flags ``cache serve`` sets (its ``server`` section), and how long a stop
+    waits for it. Defaults are a service's, not a test's: LMCache's own ports (5555 requests on
+    localhost, 8080 admin HTTP on loopback only — it has no authentication — which also serves
+    Prometheus ``/metrics``; 9090 is passed as ``--prometheus-port``, where LMCache 0.5.6 starts
+    nothing), and transfer mode ``auto`` (vLLM CPU's registration is refused without it; CUDA
+    engines work with it too).
+
+    ``shutdown_timeout_s`` is no flag: after SIGTERM the server closes the store, and with
+    ``persist_on_close`` copies every chunk only DRAM holds to the SSD; past this many seconds its
+    process group is killed (what was not copied stays in /dev/shm until a reboot). The default,
+    120 s, is three times what the shipped 4 GiB DRAM tier took (~100 MiB of stored bytes a second
+    on 2 busy cores, fast -> dense re-encode included): raise it with a bigger DRAM tier or a slower
+    disk, and keep a supervisor's grace period (Kubernetes ``terminationGracePeriodSeconds``)
+    above it."""
 
     host: str = "localhost"
     port: int = 5555
@@ -74,6 +87,7 @@ class ServerFlags:
     chunk_size: int = 256
     supported_transfer_mode: str = "auto"
     extra_args: tuple[str, ...] = ()  # any other lmcache server flags, verbatim, last (so they win)
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any], where: str = "server") -> "ServerFlags":
@@ -93,7 +107,9 @@ class ServerFlags:
                    chunk_size=int_value(section.get("chunk_size", d.chunk_size), f"{where}.chunk_size", 1, 1 << 20),
                    supported_transfer_mode=one_of(section.get("supported_transfer_mode", d.supported_transfer_mode),
                                                   TRANSFER_MODES, f"{where}.supported_transfer_mode"),
-                   extra_args=tuple(str(a) for a in extra))
+                   extra_args=tuple(str(a) for a in extra),
+                   shutdown_timeout_s=number_value(section.get("shutdown_timeout_s", d.shutdown_timeout_s),
+                                                   f"{where}.shutdown_timeout_s", above=True))
 
     @property
     def http_url(self) -> str:
@@ -141,7 +157,7 @@ class ServeCacheConfig:
                 "adapter_params": self.adapter_params}
 
     def argv(self, python: str = sys.executable) -> list[str]:
-        """What ``serve-cache`` runs (and ``--check`` prints)."""
+        """What ``cache serve`` runs (and ``--check`` prints)."""
         from dataclasses import replace
 
         modules = [(HINTS_MODULE, self.hints), (FUSE_MODULE, self.fuse)]
@@ -206,26 +222,39 @@ def _fuse_section(section: Any) -> dict[str, Any] | None:
 
 
 # -- the command ----------------------------------------------------------------------------------
+PROG = "kvshrink cache serve"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServerFlags()
-    parser.add_argument("--config", type=Path, default=None,
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help=f"serve-cache YAML (see configs/serve-cache-*.yaml); default: ports {d.port} (requests) / "
                              f"{d.http_port} (HTTP: /status and Prometheus /metrics), {d.l1_size_gb:g} GB L1, chunk "
                              f"size {d.chunk_size}, and the shipped default store (store-default.yaml)")
     parser.add_argument("--check", action="store_true",
-                        help="validate the file and the machine (directories, /dev/shm, Redis), print the exact "
-                             "lmcache server command line, and exit; creates nothing")
-    parser.add_argument("--log-file", type=Path, default=None, help="where lmcache server logs (default: a temp file)")
-    parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /healthcheck")
+                        help="validate the file and the machine (directories, free disk and /dev/shm, Redis), print "
+                             "the exact lmcache server command line, and exit; creates nothing")
+    parser.add_argument("--log-file", type=Path, default=None, metavar="FILE",
+                        help="where lmcache server logs (default: a new temp file, named when ready)")
+    parser.add_argument("--ready-timeout", type=float, default=180.0, metavar="SECONDS",
+                        help="seconds to wait for lmcache server's /healthcheck before giving up (default 180)")
+    parser.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                        help="after SIGINT / SIGTERM, seconds lmcache server gets to close the store "
+                             "(persist_on_close copies DRAM to SSD) before it is killed; default: the file's "
+                             f"server.shutdown_timeout_s, else {d.shutdown_timeout_s:g}")
 
 
 def run(args: argparse.Namespace) -> int:
     import shlex
+    from dataclasses import replace
 
     try:
         config = load_serve_config(args.config)
+        if args.shutdown_timeout is not None:
+            timeout = number_value(args.shutdown_timeout, "--shutdown-timeout", above=True)
+            config = replace(config, server=replace(config.server, shutdown_timeout_s=timeout))
     except ConfigError as exc:
-        print(f"kvshrink serve-cache: {args.config or 'default configuration'}: {exc}", file=sys.stderr)
+        print(f"{PROG}: {args.config or 'default configuration'}: {exc}", file=sys.stderr)
         return 2
     if args.check:
         print(shlex.join(config.argv()))
@@ -247,45 +276,74 @@ def _serve(config: ServeCacheConfig, log_path: Path | None, ready_timeout: float
         proc = subprocess.Popen(config.argv(), env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     server = config.server
+    ready = False
     try:
-        deadline, ready = time.monotonic() + ready_timeout, False
+        deadline = time.monotonic() + ready_timeout
         while not stop_requested:
             if proc.poll() is not None:
-                print(f"kvshrink serve-cache: lmcache server exited with {proc.returncode}:\n{_tail(log_path)}",
-                      file=sys.stderr)
+                print(f"{PROG}: lmcache server exited with {proc.returncode}:\n{_tail(log_path)}", file=sys.stderr)
                 return 1
             if not ready and _healthy(f"{server.http_url}/healthcheck"):
                 ready = True
-                print(f"kvshrink serve-cache: ready on tcp://{_reachable(server.host, 'localhost')}:{server.port} "
+                print(f"{PROG}: ready on tcp://{_reachable(server.host, 'localhost')}:{server.port} "
                       f"(status: {server.http_url}/status, log: {log_path})", flush=True)
                 print("vLLM --kv-transfer-config '" + json.dumps(connector_config(server)) + "'", flush=True)
             elif not ready and time.monotonic() > deadline:
-                print(f"kvshrink serve-cache: lmcache server not healthy after {ready_timeout:g} s:\n{_tail(log_path)}",
+                print(f"{PROG}: lmcache server not healthy after {ready_timeout:g} s:\n{_tail(log_path)}",
                       file=sys.stderr)
                 return 1
             time.sleep(0.5)
         return 0
     finally:
-        _stop(proc)
+        at_risk = _dram_chunks(server.http_url) if ready and config.store.persist_on_close else None
+        _stop(proc, server.shutdown_timeout_s, _unpersisted(config, at_risk))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _stop(proc: "subprocess.Popen[bytes]", timeout: float = 30.0) -> None:
+def _stop(proc: "subprocess.Popen[bytes]", timeout: float, unpersisted: str = "") -> None:
     """SIGTERM to the server (it stops its own children and closes the store), SIGKILL to its
-    process group if it has not exited within ``timeout``; then SIGKILL to any straggler."""
+    process group if it has not exited within ``timeout`` seconds, saying in one line what that
+    cost (``unpersisted``); then SIGKILL to any straggler."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            print(f"kvshrink serve-cache: lmcache server ignored SIGTERM for {timeout:g} s; killing it",
-                  file=sys.stderr)
+            print(f"{PROG}: lmcache server still closing the store {timeout:g} s after SIGTERM "
+                  f"(server.shutdown_timeout_s / --shutdown-timeout); killing it{unpersisted}", file=sys.stderr,
+                  flush=True)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def _dram_chunks(http_url: str) -> int | None:
+    """Chunks in our adapter's DRAM tiers, from /status (None: no answer). Asked just before
+    SIGTERM: with ``persist_on_close`` these are what the close copies to the SSD, at most."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{http_url}/status", timeout=2.0) as response:
+            status = json.load(response)
+        adapters = status["storage_manager"]["l2_adapters"]
+        tiers = next(a["store"]["tiers"] for a in adapters if a.get("type") == ADAPTER_CLASS)
+        return sum(int(t.get("chunks", 0)) for t in tiers.values() if t.get("kind") == "dram")
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, StopIteration):
+        return None
+
+
+def _unpersisted(config: ServeCacheConfig, dram_chunks: int | None) -> str:
+    """The end of the kill line: what a cut-short close leaves unpersisted, as far as it is known."""
+    if not config.store.persist_on_close:
+        return " (persist_on_close is off: no DRAM chunks were being copied)"
+    if dram_chunks is None:
+        return ": DRAM chunks not yet copied to the SSD stay in /dev/shm only, until a reboot"
+    return (f": up to {dram_chunks} chunks held in DRAM at SIGTERM were not copied to the SSD (persist_on_close); "
+            "they stay in /dev/shm only, until a reboot")
 
 
 def _healthy(url: str) -> bool:

@@ -106,7 +106,7 @@ def _failed_tier(exc: BaseException, config: "StoreConfig") -> int | None:
 
 def _check_directory(path: Path, key: str) -> None:
     """The store can create or use ``path``: it is a writable directory, or the nearest existing
-    folder above it is. Creates nothing (``serve-cache --check`` must leave the machine as it was);
+    folder above it is. Creates nothing (``cache serve --check`` must leave the machine as it was);
     the SSD tier makes its directories when it opens."""
     existing = path
     while not existing.exists() and existing != existing.parent:

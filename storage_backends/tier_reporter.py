@@ -38,7 +38,9 @@ Threads and errors: ``notify`` and ``bind_tokens`` may be called from any thread
 lock and never block on the store or the network; they never raise. The reporter thread catches,
 logs and counts everything (``send_errors``, ``store_errors``). ``close`` gives pending reports
 ``CLOSE_TIMEOUT_S`` to go out, and after it returns the thread never touches the store again.
-Buffers: none; token lists from LMCache are held, not copied, and never modified.
+Buffers: none; token lists from LMCache are held, not copied, and never modified. Counters: in
+the adapter's ``/status`` (``index_reporter``) and, through :meth:`TierReporter.collector`
+(registered by the adapter), on ``/metrics`` as ``kvshrink_tier_reporter_*``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ CLOSE_TIMEOUT_S = 2.0
 MAX_BACKOFF_S = 10.0
 REPORTER_COUNTERS = ("batches_sent", "entries_sent", "send_errors", "notices_dropped", "unresolvable",
                      "store_errors", "entries_unsent")
+REPORTER_GAUGES = ("pending_keys", "unsent_entries", "reported_chunks")
 
 URL_KEY, INSTANCE_KEY = "index_url", "index_instance_id"
 FLUSH_KEY, PENDING_KEY = "index_flush_interval", "index_max_pending"
@@ -195,6 +198,14 @@ class TierReporter:
         return {"index_url": self.settings.url, "instance_id": self.settings.instance_id,
                 "incarnation": self.incarnation, **self.counters.snapshot(), "pending_keys": pending,
                 "unsent_entries": unsent.entries if unsent else 0, "reported_chunks": len(self._reported)}
+
+    def collector(self) -> Any:
+        """A prometheus_client collector of :meth:`stats`: ``kvshrink_tier_reporter_<counter>_total``
+        and the gauges ``kvshrink_tier_reporter_{pending_keys,unsent_entries,reported_chunks}``."""
+        from kvshrink.store.metrics import SnapshotCollector
+
+        return SnapshotCollector("kvshrink_tier_reporter", self.stats, REPORTER_COUNTERS, REPORTER_GAUGES,
+                                 "tier reporter")
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Send what is pending for at most ``timeout`` seconds, then stop; from its return on the

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #   vllm integration (plugins/vllm/) -> storage_backends (LMCache) -> configs -> store -> codec; the
 #   index and the router integration (plugins/router/) beside that stack: the router may use the
 #   index, neither uses the stack, and the two plugins/ subpackages never import each other.
-FOUNDATION = ("kvshrink.errors", "kvshrink.config_checks", "kvshrink")  # the error family, config parsing
+# the error family, config parsing, the extras check
+FOUNDATION = ("kvshrink.errors", "kvshrink.config_checks", "kvshrink.extras", "kvshrink")
 LAYERS: dict[str, str] = {  # module prefix -> layer (longest prefix wins)
     "kvshrink.codec": "codec",
     "kvshrink.store": "store",
@@ -54,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     "index": set(),
     "cascade": {"store"},  # a TieredStore may keep condensations
     "fuse": set(),  # torch + transformers only
-    "backends": {"configs", "store", "codec", "fuse_glue"},  # serve-cache validates KV Fuse's settings
+    "backends": {"configs", "store", "codec", "fuse_glue"},  # cache serve validates KV Fuse's settings
     "fuse_glue": {"fuse", "vllm_layout"},  # the fusion, and how vLLM CPU lays out the chunks it fuses
     "plugins": set(),
     "vllm": {"backends", "configs", "store", "codec", "vllm_layout"},
@@ -245,7 +246,7 @@ def _extra_modules(*extras: str) -> list[str]:
 
 
 def test_a_product_install_without_bench_and_test_extras_imports_and_serves(tmp_path: Path) -> None:
-    """``kvshrink serve-cache --check`` with every bench / test extra module, the harness and the
+    """``kvshrink cache serve --check`` with every bench / test extra module, the harness and the
     benchmarks unimportable, as on a machine where only the product is installed."""
     blocked = [*_extra_modules("bench", "test"), "kvshrink.testing", "kvshrink.benchmarks"]
     assert {"tqdm", "matplotlib", "numcodecs", "pytest"} <= set(blocked)
@@ -267,7 +268,7 @@ def test_a_product_install_without_bench_and_test_extras_imports_and_serves(tmp_
 
         sys.meta_path.insert(0, Uninstalled())
         from kvshrink.cli import main
-        code = main(["serve-cache", "--config", {str(config)!r}, "--check"])
+        code = main(["cache", "serve", "--config", {str(config)!r}, "--check"])
         loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
         print("LOADED", loaded)
         sys.exit(code)

@@ -137,7 +137,7 @@ def test_a_wheel_install_finds_the_shipped_default_from_any_folder(tmp_path: Pat
     assert default_store.read_bytes() == (ROOT / "configs" / "store-default.yaml").read_bytes()
     kvshrink = str(venv / "bin" / "kvshrink")
     assert str(default_store) in "".join(run(kvshrink, "bench", "--help").split())  # argparse wraps lines
-    check = run(*_in_private_shm([kvshrink, "serve-cache", "--check"], dram_bytes))
+    check = run(*_in_private_shm([kvshrink, "cache", "serve", "--check"], dram_bytes))
     assert "lmcache.cli.main server" in check and f'"config": "{default_store}"' in check, check
     # the default's SSD tier is checked writable, and --check creates nothing (storage_backends/store_setup.py)
     assert not (home / ".cache" / "kvshrink" / "store-ssd").exists()

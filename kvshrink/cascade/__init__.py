@@ -6,4 +6,12 @@ and selection), ``cache`` (condensations keyed by what determines them), ``servi
 flight and batching in front of the condenser), ``marking`` (which parts of an OpenAI request are
 documents), ``proxy`` (the OpenAI-compatible front of vLLM), ``metrics`` and ``cli``
 (``kvshrink cascade serve``). Importing the package imports none of them.
+
+Needs the ``cascade`` extra: without it, importing this package raises
+:class:`~kvshrink.errors.MissingExtraError` with the ``pip install`` line (:func:`kvshrink.extras.check`,
+which imports nothing: torch and transformers still load only when the condenser starts).
 """
+
+from kvshrink.extras import check
+
+check("cascade")

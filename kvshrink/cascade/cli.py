@@ -15,13 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cascade_command", required=True, metavar="SUBCOMMAND")
     serve = sub.add_parser("serve", help="condense marked documents with a small model, then forward to --upstream")
     serve.add_argument("--upstream", required=True, help="base URL of the OpenAI-compatible server (vLLM)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8300)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8300, help="HTTP port (default 8300)")
     serve.add_argument("--model-path", default=os.environ.get(MODEL_ENV),
                        help=f"Hugging Face folder of the small causal LM (default ${MODEL_ENV}; "
                             "`kvshrink fixture` builds SmolLM2-135M-Instruct)")
     serve.add_argument("--ratio", type=float, default=0.5, help="kept tokens / document tokens (default 0.5)")
-    serve.add_argument("--granularity", choices=("word", "sentence"), default="word")
+    serve.add_argument("--granularity", choices=("word", "sentence"), default="word",
+                       help="unit the condenser keeps or drops (default word)")
     serve.add_argument("--question-aware", action="store_true",
                        help="condition on the request's question (a shared document is then condensed per question)")
     serve.add_argument("--window-tokens", type=int, default=1024, help="condenser window (longer documents: windows)")
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--cache-mib", type=int, default=64, help="in-memory condensation cache (MiB)")
     serve.add_argument("--store-config", help="TieredStore YAML that also keeps condensations (survives restarts)")
     serve.add_argument("--threads", type=int, help="torch threads for the small model")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", help="log level (default info)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ builds the new prompt's KV from such pieces, CacheBlend's way:
 ``experiments/fuse_quality.py`` measured what this costs in quality against a full prefill.
 
 How it plugs into serving: :mod:`kvshrink.storage_backends.kv_fuse`, an ``lmcache server
---server-module`` beside the other LMCache backends (``kvshrink serve-cache`` loads it from the
+--server-module`` beside the other LMCache backends (``kvshrink cache serve`` loads it from the
 ``fuse`` section of its YAML). This package imports nothing of LMCache.
 
 Dependencies: torch and transformers (the ``cpu`` / ``gpu`` extras). Imports nothing of ours but the

@@ -7,25 +7,31 @@ import json
 import os
 import sys
 
+DEFAULT_URL = "http://127.0.0.1:8200"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="index_command", required=True, metavar="SUBCOMMAND")
     serve = sub.add_parser("serve", help="run the index service (HTTP + ZMQ KV-event subscriber)")
-    serve.add_argument("--config", help="YAML config (configs/index.yaml documents every key)")
-    serve.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="HTTP port (default 8200)")
-    serve.add_argument("--zmq-bind", action="append", help="ZMQ SUB endpoint to bind (repeatable; replaces config)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--config", metavar="FILE", help="index YAML (configs/index.yaml documents every key); "
+                                                        "default: every key's default")
+    serve.add_argument("--host", help="HTTP bind address (default 127.0.0.1; overrides the file's host)")
+    serve.add_argument("--port", type=int, help="HTTP port (default 8200; overrides the file's port)")
+    serve.add_argument("--zmq-bind", action="append", metavar="ENDPOINT",
+                       help="ZMQ SUB endpoint to bind for vLLM KV events (repeatable; replaces the file's zmq.bind)")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="log level of the service (default info)")
     lookup = sub.add_parser("lookup", help="ask a running index which instance holds a prompt's prefix")
-    lookup.add_argument("--url", default="http://127.0.0.1:8200")
-    lookup.add_argument("--model", required=True)
+    lookup.add_argument("--url", default=DEFAULT_URL, help=f"the index service (default {DEFAULT_URL})")
+    lookup.add_argument("--model", required=True, help="model name, as the engines serve it")
     group = lookup.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt")
-    group.add_argument("--token-ids", help="comma-separated token ids")
+    group.add_argument("--prompt", help="prompt text (the index tokenizes it with the model's tokenizer)")
+    group.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
     stats = sub.add_parser("stats", help="print what a running index holds")
-    stats.add_argument("--url", default="http://127.0.0.1:8200")
+    stats.add_argument("--url", default=DEFAULT_URL, help=f"the index service (default {DEFAULT_URL})")
     for p in (lookup, stats):
-        p.add_argument("--token-env", default="KVSHRINK_INDEX_TOKEN", help="env var holding the bearer token")
+        p.add_argument("--token-env", default="KVSHRINK_INDEX_TOKEN", metavar="VAR",
+                       help="environment variable holding the index's bearer token (default KVSHRINK_INDEX_TOKEN)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ method and level each tier uses), ``copy_engine`` (staging buffers and bounded w
 promotion, prefetch and idle moves), ``read_path`` (reads and lookups), ``parking`` (chunks bound
 for Redis), ``drop_reports`` (which removed keys really left), ``ledger`` (copies in flight),
 ``pins``, ``drops`` (drop listeners) and ``placements`` (placement notices), ``stats`` (counters,
-Prometheus). ``tiered`` is the top: no other module here imports it (docs/architecture.md); the
+Prometheus), ``metrics`` (the store's Prometheus collector: raw and stored bytes per tier, latency
+histograms). ``tiered`` is the top: no other module here imports it (docs/architecture.md); the
 protocol across tiers is written out in docs/store-consistency.md.
 """
 

@@ -7,6 +7,10 @@ module are asked of it, not copied: a tier's ``level`` goes through the codec's 
 for its ``method``; a tier's kind-specific keys through the config class its kind registered
 (:mod:`kvshrink.store.tier_registry`; a Redis ``url`` goes on to redis-py's URL parser). This
 module names no tier kind.
+
+Defaults: every default here (and in each kind's config class) is what the shipped
+``configs/store-default.yaml`` says, so a YAML that names only its tiers' kinds, paths, capacities
+and shm names is the store the benchmarks measure (tests/store/test_store_defaults.py checks).
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class TierConfig:
     level: int = 1
 
     # what a kind's YAML gets when it leaves a common key out (a subclass overrides these)
-    compressed_by_default: ClassVar[bool] = True
+    codec_by_default: ClassVar[str] = "dense"  # one of TIER_CODECS (a DRAM tier: fast)
     bounded: ClassVar[bool] = True  # False: the capacity is reported, not enforced (optional, may be 0)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "TierConfig":
@@ -156,10 +160,11 @@ class StoreConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     idle_demotion: IdleDemotionConfig = field(default_factory=IdleDemotionConfig)
-    promote_on_hit: bool = True
+    # a hit below the first tier is not moved up: LMCache's L1 already keeps what it loaded
+    promote_on_hit: bool = False
     # close() copies what only a faster tier holds down to the next one: with exclusive tiers
     # (no write_back) a clean shutdown then keeps it on SSD, not only in /dev/shm
-    persist_on_close: bool = False
+    persist_on_close: bool = True
 
     @classmethod
     def load(cls, source: "str | Path | Mapping[str, Any] | StoreConfig") -> "StoreConfig":
@@ -191,8 +196,8 @@ def parse_store_config(data: Any) -> StoreConfig:
     if not any(t.put for t in tiers):
         tiers = (replace(tiers[0], put=True),) + tiers[1:]
     engine = _parse_engine(data.get("engine", {}))
-    promote = bool_value(data.get("promote_on_hit", True), "promote_on_hit")
-    persist = bool_value(data.get("persist_on_close", False), "persist_on_close")
+    promote = bool_value(data.get("promote_on_hit", StoreConfig.promote_on_hit), "promote_on_hit")
+    persist = bool_value(data.get("persist_on_close", StoreConfig.persist_on_close), "persist_on_close")
     prefetch = _parse_prefetch(data.get("prefetch", {}))
     idle = _parse_idle_demotion(data.get("idle_demotion", {}))
     if idle.after_s and len(tiers) < 2:
@@ -236,22 +241,22 @@ def _parse_tier(data: Any, index: int) -> TierConfig:
     out["capacity"] = parse_size(data.get("capacity", 0), f"{prefix}.capacity")
     if kind_config.bounded and out["capacity"] == 0:
         raise ConfigError(f"{prefix}.capacity", "must be greater than zero")
-    out["compressed"] = kind_config.compressed_by_default
     for key in ("compressed", "put", "write_back"):
         if key in data:
             out[key] = bool_value(data[key], f"{prefix}.{key}")
     out["eviction"] = one_of(str(data.get("eviction", TierConfig.eviction)).lower(), EVICTION_POLICIES,
                              f"{prefix}.eviction")
-    _parse_codec(data, out, prefix)
+    _parse_codec(data, out, prefix, kind_config.codec_by_default)
     out.update(kind_config.parse_kind_keys(data, out["name"], prefix))
     if index == 0 and out.get("write_back"):
         raise ConfigError(f"{prefix}.write_back", "the first tier cannot be a write-back target; use put: true")
     return kind_config(**out)
 
 
-def _parse_codec(data: Mapping[str, Any], out: dict[str, Any], prefix: str) -> None:
-    """``codec`` (raw / fast / dense), ``method`` (dense only) and ``level`` into ``compressed``,
-    ``method`` and ``level``; ``compressed`` (the older key) must agree with ``codec``."""
+def _parse_codec(data: Mapping[str, Any], out: dict[str, Any], prefix: str, default: str) -> None:
+    """``codec`` (raw / fast / dense; left out: ``compressed`` if given, else the kind's
+    ``default``), ``method`` (dense only) and ``level`` into ``compressed``, ``method`` and
+    ``level``; ``compressed`` (the older key) must agree with ``codec``."""
     if "method" in data:
         out["method"] = one_of(data["method"], DENSE_METHODS, f"{prefix}.method")
     if "codec" in data:
@@ -259,11 +264,16 @@ def _parse_codec(data: Mapping[str, Any], out: dict[str, Any], prefix: str) -> N
         if "compressed" in data and out["compressed"] != (codec != "raw"):
             raise ConfigError(f"{prefix}.compressed", f"says {out['compressed']} but codec says {codec}; "
                                                       "drop compressed (codec replaces it)")
-        if "method" in data and codec != "dense":
-            raise ConfigError(f"{prefix}.method", f"chooses a dense method; this tier's codec is {codec}")
-        out["compressed"] = codec != "raw"
-        if codec == "fast":
-            out["method"] = "fast"
+    elif "compressed" in data:
+        codec = "dense" if out["compressed"] else "raw"
+    else:
+        codec = default
+    if "method" in data and codec != "dense":
+        chosen = "" if "codec" in data or "compressed" in data else " (its kind's default; set codec: dense)"
+        raise ConfigError(f"{prefix}.method", f"chooses a dense method; this tier's codec is {codec}{chosen}")
+    out["compressed"] = codec != "raw"
+    if codec == "fast":
+        out["method"] = "fast"
     method = out.get("method", TierConfig.method)
     out["level"] = _level(data.get("level", TierConfig.level), method, f"{prefix}.level")
 

@@ -69,7 +69,7 @@ class DramTierConfig(TierConfig):
     hugepages: bool = False
     mlock: bool = False
 
-    compressed_by_default = False
+    codec_by_default = "fast"  # loads wait on the hot tier: see configs/store-default.yaml
 
     @classmethod
     def parse_kind_keys(cls, data: Mapping[str, Any], name: str, prefix: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kvshrink.errors import ConfigError, StoreUnavailableError
+from kvshrink.extras import require
 from kvshrink.store.config import TierConfig
 from kvshrink.store.tier_base import Buffer, KeepVictims, Tier, Victim
 
@@ -62,6 +63,7 @@ def _checked_url(url: str, key: str) -> str:
     the message names what is wrong but never echoes the URL, which may hold a password."""
     import inspect
 
+    require("redis.connection", "redis")  # not installed: MissingExtraError with the pip line
     from redis.connection import Connection, parse_url
 
     try:
@@ -83,7 +85,7 @@ def connect(config: RedisTierConfig) -> Any:
     """A redis-py client for ``config.url`` with timeouts and a bounded, backed-off retry; a URL
     redis-py cannot parse raises :class:`~kvshrink.errors.ConfigError` (config.py checks it at
     load, this covers a config built by hand)."""
-    import redis
+    redis = require("redis", "redis")
     from redis.backoff import ExponentialWithJitterBackoff
     from redis.retry import Retry
 
@@ -109,6 +111,7 @@ class RedisTier(Tier):
 
     def __init__(self, config: RedisTierConfig, is_pinned: Callable[[bytes], bool] | None = None) -> None:
         super().__init__(config, is_pinned)
+        require("redis.exceptions", "redis")
         from redis.exceptions import RedisClusterException, RedisError
 
         # RedisClusterException is no RedisError: the cluster client raises it when no node answers

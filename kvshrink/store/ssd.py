@@ -5,7 +5,7 @@ The directory's layout, the chunk file format and its single owner: ssd_files.py
 one. Reads check the stored key and the frame checksum; a mismatch moves the file to
 ``quarantine/`` and is a miss.
 
-**Durability, priced like a cache** (``fsync``, default ``false`` in the shipped config). What a
+**Durability, priced like a cache** (``fsync``, default ``false``, as in the shipped config). What a
 put must survive is a restart of the cache, not a power cut at the chunk's moment: a lost chunk
 costs one prefill, an fsync per chunk (file and directory, ~2 syncs per put) costs the SSD's
 write bandwidth all the time. So with ``fsync: false`` a put is durable once its file is renamed
@@ -15,8 +15,7 @@ clean close loses nothing either. After an OS crash or power cut the chunks writ
 last sync may be gone or torn: there is no ``CLEAN`` marker then, so the open rescans (below),
 an index entry whose file is gone is dropped, and a torn file fails its header or frame checksum
 at read and is quarantined: a miss, never wrong bytes. ``fsync: true`` fsyncs each file before
-its rename and the directory after it, for callers that want every put to outlive a power cut
-(and is what a config that leaves the key out gets).
+its rename and the directory after it, for callers that want every put to outlive a power cut.
 
 **Recovery.** The index (ssd_index.py) is trusted at open only when the clean-close marker
 agrees with it (ssd_recovery.py); otherwise :meth:`SsdTier.reconcile` rescans the chunk files in
@@ -53,7 +52,7 @@ class SsdTierConfig(TierConfig):
     """An SSD tier's own keys: its directory, and whether each put is fsync'ed (see above)."""
 
     path: str = ""
-    fsync: bool = True
+    fsync: bool = False
 
     @classmethod
     def parse_kind_keys(cls, data: Mapping[str, Any], name: str, prefix: str) -> dict[str, Any]:

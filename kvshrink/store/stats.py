@@ -3,7 +3,9 @@ per tier and per engine lane, plus a few gauges (bytes and chunks held).
 
 :meth:`TieredStore.stats` returns plain dicts; :class:`StoreCollector` exposes the same numbers to
 ``prometheus_client`` (``REGISTRY.register(StoreCollector(store.stats))``: it takes the callable,
-read at every scrape) without a second bookkeeping.
+read at every scrape) without a second bookkeeping. Every store also has a
+:class:`~kvshrink.store.metrics.StoreMetrics` (``store.metrics``), which exports these families
+and the byte, latency and loss metrics beside them.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ class StoreCollector:
         self._prefix = prefix
 
     def collect(self) -> Iterator[object]:
+        yield from self.families(self._stats())
+
+    def families(self, snapshot: dict) -> Iterator[object]:
+        """The metric families of one ``stats()`` snapshot."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snapshot = self._stats()
         tiers = snapshot["tiers"]
         for name in TIER_COUNTERS:
             family = CounterMetricFamily(f"{self._prefix}_tier_{name}", f"tier {name}", labels=["tier"])

@@ -28,6 +28,9 @@
   keys left the store on the store's own initiative; see :class:`~kvshrink.store.drops.DropListeners`.
   ``add_placement_listener`` tells one which keys may have changed tier (written into one, evicted,
   deleted, dropped), to ask ``where`` again; see :mod:`~kvshrink.store.placements`.
+* ``metrics`` (:class:`~kvshrink.store.metrics.StoreMetrics`, a Prometheus collector) counts raw and
+  stored bytes per tier, times gets, puts and each tier's reads and writes, and exports ``stats()``;
+  it wraps the tiers' methods on the instance, so no other module carries metrics code.
 
 Buffers: ``put`` copies the caller's chunk into a staging buffer (or, with ``lend=True``, reads
 it in place until its Future completes) and never modifies it; reads
@@ -62,6 +65,7 @@ from kvshrink.store.drop_reports import DropReports
 from kvshrink.store.drops import DROP_COUNTERS, RECENT_DROPS, DropListener, DropListeners  # noqa: F401 (re-exported)
 from kvshrink.store.idle import IdleDemoter, IdleTracker
 from kvshrink.store.ledger import CopyLedger, Move, Parked  # noqa: F401 (re-exported)
+from kvshrink.store.metrics import StoreMetrics
 from kvshrink.store.parking import PUMP_RETRY_S, RemoteParking  # noqa: F401 (re-exported)
 from kvshrink.store.pins import Pins
 from kvshrink.store.placements import PlacementListener, PlacementListeners
@@ -91,12 +95,16 @@ class TieredStore:
             for tier in self.tiers:
                 tier.close()
             raise
+        self.metrics = StoreMetrics(self.tiers, self.stats)  # Prometheus: kvshrink.store.metrics
+        for index, tier in enumerate(self.tiers):
+            self.metrics.instrument(index, tier)
         tiers = TierSet(self.tiers, config.tiers)
         self._ledger = tiers.ledger
         self.engine = CopyEngine(config.engine)
         for tier in self.tiers:  # encodes and decodes on the store's codec budget
             tier.codecs = self.engine.codecs
         self._drops = DropListeners()
+        self._drops.add(self.metrics.dropped)
         self._placements = PlacementListeners()
         self._closed = False
         reports = DropReports(tiers, self._drops, self._placements, self.engine.schedule)
@@ -133,6 +141,7 @@ class TieredStore:
         Future completes, and the workers encode it where it lies (a chunk they cannot read in
         place, e.g. non-contiguous, is staged all the same).
         """
+        start = time.perf_counter()
         key = check_key(key)
         _require_open(self._closed)
         with self._inflight_lock:
@@ -143,14 +152,15 @@ class TieredStore:
         staged = (lent, None) if lent is not None else self.engine.stage(kv)
         if staged is None:
             self.engine.counters.add("dropped_staging_full")
-            return _done(False)
+            return self._timed_put(start, _done(False))
         chunk, buf = staged
         future = self.engine.puts.try_submit(self._jobs.store, key, chunk, buf)
         if future is None:
             if buf is not None:
                 self.engine.staging.release(buf)
             self.engine.counters.add("dropped_queue_full")
-            return _done(False)
+            return self._timed_put(start, _done(False))
+        self.metrics.observe_put(start, future)
         self.engine.counters.add("puts")
         with self._inflight_lock:
             self._inflight[key] = future
@@ -161,6 +171,10 @@ class TieredStore:
                     del self._inflight[key]
 
         future.add_done_callback(forget)
+        return future
+
+    def _timed_put(self, start: float, future: Future) -> Future:
+        self.metrics.observe_put(start, future)
         return future
 
     def in_flight(self, key: bytes) -> bool:
@@ -196,12 +210,15 @@ class TieredStore:
         ``outs`` any more, also when it raises (the first error of any chunk's read, e.g. a
         buffer of the wrong size).
         """
+        start = time.perf_counter()
         keys = [check_key(k) for k in keys]
         outs = list(outs) if outs is not None else [None] * len(keys)
         if len(outs) != len(keys):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output buffers")
         _require_open(self._closed)
-        return self._reads.get_many(keys, outs)
+        chunks = self._reads.get_many(keys, outs)
+        self.metrics.observe_get(start, chunks)
+        return chunks
 
     def header(self, key: bytes) -> Any:
         """The stored chunk's frame header (dtype, shape, sizes) without decoding it, or None.
@@ -271,7 +288,8 @@ class TieredStore:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters per tier and for the copy engine (see stats.StoreCollector for Prometheus)."""
+        """Counters per tier and for the copy engine (Prometheus: ``REGISTRY.register(store.metrics)``,
+        :mod:`kvshrink.store.metrics`)."""
         engine = {**self.engine.stats(), **self._drops.counters.snapshot(), **self._placements.counters.snapshot(),
                   **self._prefetch.stats(), "pinned": len(self._pins)}
         if self._idle_demoter is not None:

@@ -1,4 +1,4 @@
-"""``kvshrink router``: run production-stack's router (``vllm_router``) with the KVShrink routing logic.
+"""``kvshrink router serve``: run production-stack's router (``vllm_router``) with the KVShrink routing logic.
 
 production-stack has no plugin point for routing logics (its ``--routing-logic`` choices, the
 factory and the dispatch in ``request.py`` are hard-coded), so the launcher injects ours without
@@ -13,7 +13,7 @@ Install (production-stack is not on PyPI and needs Python ≥ 3.12)::
     python3.12 -m venv ~/router-venv && . ~/router-venv/bin/activate
     git clone https://github.com/vllm-project/production-stack && \\
         SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 pip install -e production-stack
-    pip install --no-deps -e <kvshrink checkout> && pip install httpx msgspec
+    pip install -e '<kvshrink checkout>[router]'
 
 Run (all options after ``--`` go to vllm-router)::
 
@@ -21,7 +21,7 @@ Run (all options after ``--`` go to vllm-router)::
         --host 127.0.0.1 --port 8001 --service-discovery static \\
         --static-backends http://127.0.0.1:8000,http://127.0.0.1:8100 --static-models M,M
 
-(``kvshrink router ...`` is the same command through the console script.)
+(``kvshrink router serve ...`` is the same command through the console script.)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ It is not on PyPI and needs Python >= 3.12:
   python3.12 -m venv ~/router-venv && . ~/router-venv/bin/activate
   git clone https://github.com/vllm-project/production-stack
   SETUPTOOLS_SCM_PRETEND_VERSION=0.0.0 pip install -e production-stack
-  pip install --no-deps -e <kvshrink checkout> && pip install httpx msgspec
+  pip install -e '<kvshrink checkout>[router]'
 then run this command from that environment (python -m kvshrink.plugins.router.router_launcher ...)."""
 
 
@@ -115,15 +115,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         from vllm_router import app as app_module
     except ImportError as exc:
-        print(f"kvshrink router: cannot import vllm_router ({exc}).\n{INSTALL_HINT}", file=sys.stderr)
+        print(f"kvshrink router serve: cannot import vllm_router ({exc}).\n{INSTALL_HINT}", file=sys.stderr)
         return 2
     try:
         check_router_shape()
     except RouterShapeError as exc:
-        print(f"kvshrink router: {exc}", file=sys.stderr)
+        print(f"kvshrink router serve: {exc}", file=sys.stderr)
         return 2
     if any(a.startswith("--dynamic-config") for a in router_argv):
-        print("kvshrink router: --dynamic-config-* would replace the KVShrink routing logic on reload; "
+        print("kvshrink router serve: --dynamic-config-* would replace the KVShrink routing logic on reload; "
               "not supported", file=sys.stderr)
         return 2
     if not any(a == "--routing-logic" or a.startswith("--routing-logic=") for a in router_argv):
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             hints = HintSender(targets, token=os.environ.get(args.hint_token_env) or None,
                                timeout_s=args.hint_timeout_ms / 1000.0, max_in_flight=args.hint_max_in_flight)
         except ValueError as exc:
-            print(f"kvshrink router: --hint-targets: {exc}", file=sys.stderr)
+            print(f"kvshrink router serve: --hint-targets: {exc}", file=sys.stderr)
             return 2
     logic = KVShrinkRoutingLogic(args.index_url, timeout_s=args.index_timeout_ms / 1000.0,
                                  token=os.environ.get(args.index_token_env) or None, backoff_s=args.index_backoff_s,
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         logic.session_key = router_args.session_key
         logic.max_instance_failover_reroute_attempts = router_args.max_instance_failover_reroute_attempts
         app.state.router = make_router(logic)
-        print(f"kvshrink router: KVShrink routing logic installed (index {args.index_url}, "
+        print(f"kvshrink router serve: KVShrink routing logic installed (index {args.index_url}, "
               f"deadline {args.index_timeout_ms:g} ms)", file=sys.stderr, flush=True)
 
     app_module.initialize_all = initialize_all

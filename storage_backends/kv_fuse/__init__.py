@@ -15,5 +15,5 @@ of vLLM or LMCache. The fusion itself (content index, re-rotation, the engine, t
   and the layer-0 key check that refuses a misread or damaged one;
 * :mod:`.outcomes` — counters and the fallback exception.
 
-Nothing is imported here, so ``serve-cache --check`` can read the settings without LMCache.
+Nothing is imported here, so ``cache serve --check`` can read the settings without LMCache.
 """

@@ -1,13 +1,16 @@
 """What KV Fuse counts and reports: every fusion job ends in exactly one outcome counter.
 
-The counters reach ``lmcache server``'s ``/status`` under ``kvshrink_fuse``.
+The counters reach ``lmcache server``'s ``/status`` under ``kvshrink_fuse``, and its ``/metrics``
+through :class:`FuseCollector` (registered by the module): ``kvshrink_fuse_<counter>_total``, the
+``fallback_*`` ones as ``kvshrink_fuse_fallbacks_total{reason}``, ``kvshrink_fuse_engine_seconds_total``
+and the gauges ``kvshrink_fuse_indexed_chunks`` and ``kvshrink_fuse_pending_jobs``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from kvshrink.errors import KVShrinkError
 
@@ -65,3 +68,29 @@ class FuseStats:
         with self._lock:
             return {**dict(self._counters), "fuse_seconds": round(self._fuse_seconds, 3),
                     "last_fusion": dict(self._last_fusion), "last_fallback": dict(self._last_fallback)}
+
+
+class FuseCollector:
+    """A prometheus_client collector over a :class:`FuseStats` and the module's queue and index
+    sizes (read at scrape time; see the module docstring for the names)."""
+
+    def __init__(self, stats: FuseStats, indexed: Callable[[], int], pending: Callable[[], int]) -> None:
+        self._stats, self._indexed, self._pending = stats, indexed, pending
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshot = self._stats.snapshot()
+        fallbacks = CounterMetricFamily("kvshrink_fuse_fallbacks", "Fusion jobs that fell back to the stock "
+                                        "lookup, by reason", labels=["reason"])
+        for name in COUNTERS:
+            if name.startswith("fallback_"):
+                fallbacks.add_metric([name[len("fallback_"):]], snapshot[name])
+            else:
+                yield CounterMetricFamily(f"kvshrink_fuse_{name}", f"KV Fuse {name}", value=snapshot[name])
+        yield fallbacks
+        yield CounterMetricFamily("kvshrink_fuse_engine_seconds", "Seconds the fusion engine ran",
+                                  value=snapshot["fuse_seconds"])
+        yield GaugeMetricFamily("kvshrink_fuse_indexed_chunks", "Stored chunks indexed as fusion sources",
+                                value=self._indexed())
+        yield GaugeMetricFamily("kvshrink_fuse_pending_jobs", "Fusion jobs queued or running", value=self._pending())

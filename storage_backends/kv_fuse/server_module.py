@@ -1,6 +1,6 @@
 """KV Fuse's ``lmcache server --server-module``: the RPC handlers that fuse on lookup.
 
-Loaded by ``kvshrink serve-cache`` from the ``fuse`` section of its YAML, or by hand::
+Loaded by ``kvshrink cache serve`` from the ``fuse`` section of its YAML, or by hand::
 
     lmcache server ... --supported-transfer-mode auto --l2-adapter '{... KVShrinkL2Adapter ...}'
         --server-module '{"module_path": "kvshrink.storage_backends.kv_fuse.server_module",
@@ -30,8 +30,8 @@ chunks live only under fused salts (:mod:`kvshrink.fuse.keys`), so they can be c
 on their own. Only ``world_size`` 1 and one object group are fused (others fall back).
 
 Threads: LMCache's worker threads run the handlers; fusion jobs run one at a time on the module's
-thread. Errors: a failed job is logged and counted (``/status``, ``kvshrink_fuse``), never raised
-into LMCache; the built-in lookup still runs.
+thread. Errors: a failed job is logged and counted (``/status``, ``kvshrink_fuse``; ``/metrics``,
+``kvshrink_fuse_*``: :mod:`.outcomes`), never raised into LMCache; the built-in lookup still runs.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .chunk_io import ChunkIO
 from .chunk_layouts import ChunkLayouts
 from .fusion import Fusion
 from .job_queue import FusionJobQueue
-from .outcomes import FuseStats
+from .outcomes import FuseCollector, FuseStats
 from .settings import FuseModuleSettings
 from .stored_chunks import StoredChunkIndex
 
@@ -81,6 +81,7 @@ class KVFuseModule:
         fusion = Fusion(ctx, engine, settings, self.layouts, self.sources, ChunkIO(ctx), self.stats)
         self.jobs = FusionJobQueue(fusion.run, lookup_module, self.stats, settings.max_pending, settings.timeout_s)
         self._salt_tag = fused_salt(settings.fuse)
+        self._collector = _export(FuseCollector(self.stats, lambda: len(self.sources), lambda: len(self.jobs)))
 
     # -- EngineModule -------------------------------------------------------------------------------
     @property
@@ -99,6 +100,11 @@ class KVFuseModule:
                                   "layouts": self.layouts.names()}}
 
     def close(self) -> None:
+        if self._collector is not None:
+            from prometheus_client import REGISTRY
+
+            REGISTRY.unregister(self._collector)
+            self._collector = None
         self.jobs.close()
 
     # -- handlers (same names, types and scheduling as the built-ins they replace) ------------------
@@ -157,6 +163,19 @@ class KVFuseModule:
         self.jobs.cancel(request_id)
         self.sources.end_request(request_id)
         return self._lookup.end_session(request_id)
+
+
+def _export(collector: FuseCollector) -> FuseCollector | None:
+    """``collector`` registered in prometheus_client's default registry (served on ``/metrics``),
+    or None when another KV Fuse module of this process holds the names (logged)."""
+    from prometheus_client import REGISTRY
+
+    try:
+        REGISTRY.register(collector)
+    except ValueError as exc:
+        log.info("KV Fuse: counters not exported to Prometheus: %s", exc)
+        return None
+    return collector
 
 
 def build_server_modules(build: "ExtServerModuleBuildContext") -> KVFuseModule | None:

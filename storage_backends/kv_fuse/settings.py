@@ -1,6 +1,6 @@
 """The ``fuse`` section of the serve-cache YAML, validated.
 
-Kept apart from the module that loads LMCache so that ``kvshrink serve-cache --check`` validates
+Kept apart from the module that loads LMCache so that ``kvshrink cache serve --check`` validates
 the section (and names a bad key) without importing LMCache, torch or the model.
 """
 

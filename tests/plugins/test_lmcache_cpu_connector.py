@@ -137,8 +137,8 @@ def test_failures_are_raised_where_lmcache_would_only_log_them(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("extra_env, refused", [
-    ({}, True),
-    ({"LMCACHE_PRE_CACHING_HASH_ALGORITHM": "sha256_cbor"}, False),  # content hashes need no seed
+    ({"LMCACHE_PRE_CACHING_HASH_ALGORITHM": "builtin"}, True),  # LMCache's default: Python's hash()
+    ({}, False),  # the shipped YAML's sha256_cbor: content hashes need no seed
 ])
 def test_unseeded_process_is_refused_unless_keys_do_not_depend_on_the_seed(extra_env, refused) -> None:
     """E.g. vLLM's engine core inside the first process (VLLM_ENABLE_V1_MULTIPROCESSING=0), unseeded."""

@@ -23,9 +23,9 @@ def dram_ssd_store(shm_name: str, ssd_path: Path, dram: str = "64MiB", ssd: str 
                    codec: str | None = None) -> dict:
     """A DRAM (raw) + SSD (compressed, written back) store config, as a mapping; ``codec`` (raw,
     fast, dense) sets both tiers' codec instead."""
-    chosen = {} if codec is None else {"codec": codec}
-    return {"tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name, **chosen},
-                      {"kind": "ssd", "path": str(ssd_path), "capacity": ssd, "write_back": True, **chosen}]}
+    return {"tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name, "codec": codec or "raw"},
+                      {"kind": "ssd", "path": str(ssd_path), "capacity": ssd, "write_back": True,
+                       "codec": codec or "dense"}]}
 
 
 ADAPTER_MODULE = "kvshrink.storage_backends.mp_l2_adapter"

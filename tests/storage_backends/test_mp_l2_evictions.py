@@ -18,7 +18,7 @@ from kvshrink.storage_backends.keys import encode_object_key
 
 def small_store(shm_name: str, ssd_path, chunk_bytes: int, *, write_back: bool = True) -> dict:
     """DRAM of 2 raw chunks + SSD of ~4 compressed ones: 16 chunks overflow both."""
-    return {"tiers": [{"kind": "dram", "capacity": int(chunk_bytes * 2.5), "shm_name": shm_name},
+    return {"tiers": [{"kind": "dram", "capacity": int(chunk_bytes * 2.5), "shm_name": shm_name, "codec": "raw"},
                       {"kind": "ssd", "capacity": int(chunk_bytes * 3), "path": str(ssd_path),
                        "write_back": write_back}]}
 

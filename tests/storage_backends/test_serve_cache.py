@@ -1,4 +1,4 @@
-"""``kvshrink serve-cache``: the default (no ``--config``: the shipped default store), the shipped
+"""``kvshrink cache serve``: the default (no ``--config``: the shipped default store), the shipped
 alternative YAML files, loud errors naming keys, and a real ``lmcache server`` started with our
 adapter, reporting it in /status, and stopped by SIGTERM."""
 
@@ -35,7 +35,7 @@ SHIPPED = sorted((REPO / "configs").glob("serve-cache-*.yaml"))
 
 
 def private_config(tmp_path: Path, shm: str, edit=None) -> Path:
-    """What serve-cache runs without --config, on free ports, over the default store moved into
+    """What ``cache serve`` runs without --config, on free ports, over the default store moved into
     ``tmp_path`` and ``shm`` (tiers[0] dram, tiers[1] ssd)."""
     store = derive_store(paths={"ssd": tmp_path / "ssd"}, shm_names={"dram": shm},
                          capacities={"dram": "64MiB", "ssd": "1GiB"})
@@ -80,7 +80,7 @@ def test_check_without_config_validates_the_default_store_on_this_machine(tmp_pa
     if shutil.disk_usage(tmp_path).free < disk:
         pytest.skip(f"this disk has less than the default SSD tier's {disk >> 30} GiB free")
     monkeypatch.setenv("HOME", str(tmp_path))  # the default SSD tier is ~/.cache/kvshrink/store-ssd
-    assert kvshrink_main(["serve-cache", "--check"]) == 0
+    assert kvshrink_main(["cache", "serve", "--check"]) == 0
     out = capsys.readouterr().out
     assert str(default_store_path()) in out
     assert shlex.split(out) == load_serve_config(None, check_services=False).argv()
@@ -123,7 +123,7 @@ def test_bad_files_exit_2_naming_the_key(tmp_path, shm_name, capsys, edit, key):
     with pytest.raises(ConfigError) as info:
         load_serve_config(path)
     assert info.value.key == key, str(info.value)
-    assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 2
+    assert kvshrink_main(["cache", "serve", "--config", str(path), "--check"]) == 2
     assert f"'{key}'" in capsys.readouterr().err
 
 
@@ -147,7 +147,7 @@ def test_bad_yaml_names_the_file_and_line(tmp_path, capsys):
         load_serve_config(path)
     assert info.value.key == "--config"
     assert info.value.reason.startswith(f"{path} is not valid YAML at line 4, column 6: ")
-    assert kvshrink_main(["serve-cache", "--config", str(path), "--check"]) == 2
+    assert kvshrink_main(["cache", "serve", "--config", str(path), "--check"]) == 2
     assert "line 4" in capsys.readouterr().err
 
 
@@ -261,7 +261,7 @@ def test_check_prints_exactly_what_runs_and_creates_nothing(tmp_path, shm_name):
     path = private_config(tmp_path, shm_name, lambda d: d["store"]["tiers"][1].update(path=str(ssd)))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    done = subprocess.run([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path), "--check"],
+    done = subprocess.run([sys.executable, "-m", "kvshrink.cli", "cache", "serve", "--config", str(path), "--check"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr
     assert shlex.split(done.stdout) == load_serve_config(path, check_services=False).argv()
@@ -273,7 +273,7 @@ def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path
     path = private_config(tmp_path, shm_name)
     config = load_serve_config(path)
     log = tmp_path / "serve.out"
-    proc = subprocess.Popen([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path),
+    proc = subprocess.Popen([sys.executable, "-m", "kvshrink.cli", "cache", "serve", "--config", str(path),
                              "--log-file", str(tmp_path / "lmcache.log")],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -283,9 +283,9 @@ def test_serve_cache_runs_lmcache_server_with_our_adapter_until_sigterm(tmp_path
             assert proc.poll() is None, log.read_text()
             return False
 
-        poll_until(ready, 180, interval=0.5, what="serve-cache to become ready",
+        poll_until(ready, 180, interval=0.5, what="cache serve to become ready",
                    error=lambda message: AssertionError(f"{message}:\n{log.read_text()}"))
-        check = subprocess.run([sys.executable, "-m", "kvshrink.cli", "serve-cache", "--config", str(path), "--check"],
+        check = subprocess.run([sys.executable, "-m", "kvshrink.cli", "cache", "serve", "--config", str(path), "--check"],
                                capture_output=True, text=True, timeout=120)
         (child,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         running = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")[:-1]

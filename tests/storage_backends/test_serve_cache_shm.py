@@ -1,4 +1,4 @@
-"""``kvshrink serve-cache --check`` against a /dev/shm too small for the DRAM tier: a private mount
+"""``kvshrink cache serve --check`` against a /dev/shm too small for the DRAM tier: a private mount
 namespace with a small tmpfs on /dev/shm (the host's is untouched)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ SHM_NAME = "kvshrink-check-shm"
 
 
 def check_with_small_shm(tmp_path: Path, capacity: str, before: str = "") -> subprocess.CompletedProcess:
-    """Run ``serve-cache --check`` on an 8 MiB /dev/shm after the shell line ``before``; the last
+    """Run ``kvshrink cache serve --check`` on an 8 MiB /dev/shm after the shell line ``before``; the last
     stdout line lists that tmpfs with allocated KiB (``ls -s``)."""
     if shutil.which("unshare") is None:
         pytest.skip("unshare(1) is not installed")
@@ -32,7 +32,7 @@ def check_with_small_shm(tmp_path: Path, capacity: str, before: str = "") -> sub
         "store": {"tiers": [{"kind": "dram", "capacity": capacity, "shm_name": SHM_NAME},
                             {"kind": "ssd", "path": str(tmp_path / "ssd"), "capacity": "1GiB"}]}}))
     shell = (f"mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 99; {before}\n"
-             f'"$0" -m kvshrink.cli serve-cache --config "$1" --check; rc=$?; '
+             f'"$0" -m kvshrink.cli cache serve --config "$1" --check; rc=$?; '
              'echo "shm: $(ls -s1A /dev/shm | tail -n +2 | tr "\\n" " ")"; exit $rc')
     return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", shell, sys.executable, str(config)],
                           capture_output=True, text=True, timeout=120)
@@ -42,7 +42,7 @@ def test_check_fails_naming_the_sizes_and_creates_nothing(tmp_path):
     done = check_with_small_shm(tmp_path, "64MiB")
     assert done.returncode == 2, done.stdout + done.stderr
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("kvshrink serve-cache: ") and "'store.tiers[0].capacity'" in line
+    assert line.startswith("kvshrink cache serve: ") and "'store.tiers[0].capacity'" in line
     assert f"/dev/shm/{SHM_NAME} needs {64 * MiB} bytes (64.0 MiB)" in line
     assert f"{8 * MiB} bytes (8.0 MiB) free" in line
     assert done.stdout.splitlines()[-1].strip() == "shm:"

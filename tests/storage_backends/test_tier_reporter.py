@@ -77,7 +77,8 @@ def chunk(i: int) -> np.ndarray:
 def two_tier_store(shm_name: str, tmp_path, dram_chunks: float, ssd_chunks: float, chunk_bytes: int) -> dict:
     """Raw DRAM, then an exclusive raw SSD tier (a chunk is on one of them: demoted on eviction from
     DRAM, moved back up on a hit, dropped on eviction from SSD); capacities in chunks."""
-    return {"tiers": [{"kind": "dram", "capacity": int(chunk_bytes * dram_chunks), "shm_name": shm_name},
+    return {"tiers": [{"kind": "dram", "capacity": int(chunk_bytes * dram_chunks), "shm_name": shm_name,
+                       "codec": "raw"},
                       {"kind": "ssd", "capacity": int(chunk_bytes * ssd_chunks), "path": str(tmp_path / "ssd"),
                        "compressed": False}],
             "promote_on_hit": True}

@@ -168,7 +168,8 @@ def _frame(i: int) -> bytes:
 
 
 def _store_config(shm_name: str, tmp_path: Path) -> dict:
-    return {"tiers": [{"kind": "dram", "name": "dram", "capacity": 512 * KiB, "compressed": False, "put": True,
+    return {"promote_on_hit": True,
+            "tiers": [{"kind": "dram", "name": "dram", "capacity": 512 * KiB, "compressed": False, "put": True,
                        "shm_name": shm_name},
                       {"kind": "ssd", "name": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB"}]}
 

@@ -31,8 +31,9 @@ def test_example_configs_exist():
 def test_defaults_and_sizes():
     config = StoreConfig.load(base())
     dram, ssd = config.tiers
-    assert dram.capacity == 64 * 2**20 and dram.put and not dram.compressed and dram.eviction == "lru"
-    assert ssd.compressed and ssd.write_back and not ssd.put and ssd.fsync
+    assert dram.capacity == 64 * 2**20 and dram.put and dram.codec == "fast" and dram.eviction == "lru"
+    assert ssd.codec == "dense" and ssd.write_back and not ssd.put and not ssd.fsync
+    assert not config.promote_on_hit and config.persist_on_close  # as configs/store-default.yaml
     assert parse_size("1.5 GB", "k") == 1_500_000_000 and parse_size(4096, "k") == 4096
     assert parse_size("2kib", "k") == 2048
 
@@ -59,6 +60,8 @@ def test_defaults_and_sizes():
     ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "lz4"}]}, "tiers[0].codec"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "codec": True}]}, "tiers[0].codec"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "fast", "method": "zstd"}]}, "tiers[0].method"),
+    ({"tiers": [{"kind": "dram", "capacity": 10, "method": "zstd"}]}, "tiers[0].method"),  # dram's default: fast
+    ({"tiers": [{"kind": "dram", "capacity": 10, "compressed": False, "method": "qat"}]}, "tiers[0].method"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "raw", "compressed": True}]}, "tiers[0].compressed"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "dense", "compressed": False}]}, "tiers[0].compressed"),
     ({"tiers": [{"kind": "dram", "capacity": 10, "codec": "dense", "level": 30}]}, "tiers[0].level"),
@@ -181,7 +184,8 @@ def test_config_accepts_exactly_the_levels_the_codec_encodes_with(tmp_path):
 
 
 @pytest.mark.parametrize(("tier", "codec", "method"), [
-    ({}, "raw", "zstd"), ({"compressed": True}, "dense", "zstd"), ({"codec": "raw"}, "raw", "zstd"),
+    ({}, "fast", "fast"), ({"compressed": False}, "raw", "zstd"), ({"compressed": True}, "dense", "zstd"),
+    ({"codec": "raw"}, "raw", "zstd"),
     ({"codec": "fast"}, "fast", "fast"), ({"codec": "dense"}, "dense", "zstd"),
     ({"codec": "dense", "method": "qat", "level": 6}, "dense", "qat"), ({"codec": "fast", "compressed": True}, "fast", "fast"),
 ])

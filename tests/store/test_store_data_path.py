@@ -28,7 +28,7 @@ MiB = 2**20
 
 def config(tmp_path, shm_name, *, dram=64 * MiB, read_workers=4, fsync=False):
     return {"promote_on_hit": False, "engine": {"read_workers": read_workers},
-            "tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name},
+            "tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name, "codec": "raw"},
                       {"kind": "ssd", "capacity": 256 * MiB, "path": str(tmp_path / "ssd"), "fsync": fsync}]}
 
 

@@ -95,7 +95,8 @@ def test_overwrite_in_a_full_arena_replaces_in_place_and_evicts_nothing(make_tie
 
 
 def test_the_reported_case_through_the_store(shm_name):
-    store = TieredStore.from_config({"tiers": [{"kind": "dram", "capacity": 160 * KiB, "shm_name": shm_name}]})
+    store = TieredStore.from_config({"tiers": [{"kind": "dram", "capacity": 160 * KiB, "shm_name": shm_name,
+                                                "codec": "raw"}]})
     try:
         a, k1, b, k2 = chunk(40, 1), chunk(60, 2), chunk(50, 3), chunk(60, 4)
         for key, data in ((b"a", a), (b"k", k1), (b"b", b), (b"k", k2)):

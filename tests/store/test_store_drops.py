@@ -34,7 +34,8 @@ class Recorder:
 
 def dram_ssd(tmp_path, shm_name, chunk_bytes: int, *, write_back: bool, dram: float = 2.5, ssd: float = 3) -> dict:
     """DRAM of ``dram`` raw chunks, SSD of ``ssd`` raw chunks (it holds ~1.45x more compressed)."""
-    return {"tiers": [{"kind": "dram", "capacity": int(chunk_bytes * dram), "shm_name": shm_name},
+    return {"promote_on_hit": True,
+            "tiers": [{"kind": "dram", "capacity": int(chunk_bytes * dram), "shm_name": shm_name, "codec": "raw"},
                       {"kind": "ssd", "capacity": int(chunk_bytes * ssd), "path": str(tmp_path / "ssd"),
                        "write_back": write_back}]}
 

@@ -19,13 +19,13 @@ DRAM_CHUNKS, SSD_CHUNKS = 8, 16
 
 def exclusive(tmp_path, shm_name, dram: int, ssd: int) -> dict:
     return {"promote_on_hit": True,
-            "tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name},
+            "tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name, "codec": "raw"},
                       {"kind": "ssd", "capacity": ssd, "path": str(tmp_path / "ssd"), "fsync": False}]}
 
 
 def footprints(chunks: list[np.ndarray], key: bytes) -> tuple[float, float]:
-    """Mean bytes one of ``chunks`` takes in the DRAM arena (raw frames: DRAM is uncompressed by
-    default) and in an SSD file (zstd level 1 frames, the SSD default)."""
+    """Mean bytes one of ``chunks`` takes in the DRAM arena (raw frames: the DRAM tier above says
+    codec: raw) and in an SSD file (zstd level 1 frames, the SSD default)."""
     dram = [block_size_for(len(key), len(encode(c, method="raw"))) for c in chunks]
     ssd = [len(file_prefix(key)) + len(encode(c, method="zstd", level=1)) for c in chunks]
     return sum(dram) / len(chunks), sum(ssd) / len(chunks)

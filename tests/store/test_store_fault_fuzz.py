@@ -299,10 +299,11 @@ class Model:
         label = f" (the store logged, unreported: {logged[-1][1]})" if logged else ""
         return (f"lost{label}: {where} missed acknowledged v{latest} (issued at {since}, "
                 f"acknowledged at {max(s for s, v in acks if v == latest)}) with no drop notice, damage or outage; "
-                f"{self.history(r.key, r.end)}")
+                f"{self.history(r.key, r.end)}; then: {self.history(r.key, INF, after=r.end, last=8)}")
 
-    def history(self, key: bytes, until: int) -> str:
-        """The key's last events up to ``until``, for a violation message."""
+    def history(self, key: bytes, until: float, after: float = -1, last: int = 12) -> str:
+        """The key's ``last`` events in (``after``, ``until``], for a violation message (the
+        events after a miss tell a chunk in flight from one lost)."""
         events = [(s, f"put v{v}") for v, s in self.issued[key].items()]
         events += [(s, f"ack v{v}") for s, v in self.acks[key]] + [(s, "drop notice") for s in self.drops[key]]
         events += [(s, f"delete <=v{v} begins") for s, _, v in self.deletes[key]]
@@ -311,7 +312,8 @@ class Model:
                    if r.key == key]
         events += [(b, "barrier") for b in self.barriers] + [(a, "outage") for a, _ in self.outages]
         events += [(b, "outage over") for _, b in self.outages if b != INF] + self.marks
-        shown = sorted(e for e in events if e[0] <= until)[-12:]
+        shown = sorted(e for e in events if after < e[0] <= until)
+        shown = shown[-last:] if after < 0 else shown[:last]
         return "history: " + ", ".join(f"{s} {what}" for s, what in shown)
 
     def _miss_reason(self, r: Read, latest: int) -> str:
@@ -1101,7 +1103,7 @@ def test_fuzz_kill_9_and_damage(tmp_path, shm_name, record_property):
         for round_no in range(1000):
             if time.monotonic() > deadline or len(model.violations) >= 50:
                 break
-            cfg = {"engine": {"put_workers": 2, "put_queue": 16},
+            cfg = {"engine": {"put_workers": 2, "put_queue": 16}, "promote_on_hit": True,
                    "persist_on_close": rng.random() < 0.5,
                    "tiers": [{"kind": "dram", "capacity": dram_capacity, "shm_name": shm_name,
                               "compressed": rng.random() < 0.3},

@@ -17,7 +17,7 @@ from kvshrink.store import StoreConfig, TieredStore
 
 
 def tiers(tmp_path, shm_name, dram_chunks: int = 16) -> list[dict]:
-    return [{"kind": "dram", "capacity": int((dram_chunks + 0.5) * 1.5 * 2**20), "shm_name": shm_name},
+    return [{"kind": "dram", "capacity": int((dram_chunks + 0.5) * 1.5 * 2**20), "shm_name": shm_name, "codec": "raw"},
             {"kind": "ssd", "capacity": "256MiB", "path": str(tmp_path / "ssd"), "fsync": False}]
 
 

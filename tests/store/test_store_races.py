@@ -45,7 +45,8 @@ def dram_ssd(tmp_path, shm_name, dram_chunks: int) -> dict:
     """An exclusive DRAM + SSD store (the shipped default's shape) with room for ``dram_chunks``
     raw 1.4 MiB chunks in DRAM and many on the SSD; no promotion (reads must not move chunks)."""
     return {"promote_on_hit": False,
-            "tiers": [{"kind": "dram", "capacity": int((dram_chunks + 0.5) * 1.5 * MiB), "shm_name": shm_name},
+            "tiers": [{"kind": "dram", "capacity": int((dram_chunks + 0.5) * 1.5 * MiB), "shm_name": shm_name,
+                       "codec": "raw"},
                       {"kind": "ssd", "capacity": "256MiB", "path": str(tmp_path / "ssd"), "fsync": False}]}
 
 

@@ -47,10 +47,10 @@ while True:
 
 LAYOUTS = {
     # DRAM arena (survives the process) in front of SSD with write-back; evictions demote first
-    "dram+ssd": lambda tmp, shm: [{"kind": "dram", "capacity": 6 * MiB, "shm_name": shm},
+    "dram+ssd": lambda tmp, shm: [{"kind": "dram", "capacity": 6 * MiB, "shm_name": shm, "codec": "raw"},
                                   {"kind": "ssd", "capacity": 1 << 30, "path": str(tmp / "ssd"), "write_back": True}],
     # puts land on the SSD itself: temp file, fsync, rename
-    "ssd": lambda tmp, shm: [{"kind": "ssd", "capacity": 1 << 30, "path": str(tmp / "ssd")}],
+    "ssd": lambda tmp, shm: [{"kind": "ssd", "capacity": 1 << 30, "path": str(tmp / "ssd"), "fsync": True}],
 }
 
 
@@ -183,7 +183,8 @@ def test_file_size_limit_refuses_big_chunks_and_keeps_small_ones(tmp_path, small
 
 
 def test_redis_killed_and_restarted_mid_run(redis_server, shm_name, small_chunks):
-    cfg = {"tiers": [{"kind": "dram", "capacity": int(small_chunks[0].nbytes * 2.5), "shm_name": shm_name},
+    cfg = {"tiers": [{"kind": "dram", "capacity": int(small_chunks[0].nbytes * 2.5), "shm_name": shm_name,
+                      "codec": "raw"},
                      {"kind": "redis", "url": redis_server.url, "timeout_s": 0.3, "write_back": True,
                       "namespace": "midrun"}],
            "promote_on_hit": False}

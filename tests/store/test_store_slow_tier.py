@@ -16,8 +16,8 @@ PUT_DEADLINE_S = 0.3  # Redis timeout_s stays at its default 0.5: one Redis call
 
 
 def dram_redis(shm_name: str, url: str, chunk_bytes: int, *, write_back: bool) -> dict:
-    return {"promote_on_hit": False,
-            "tiers": [{"kind": "dram", "capacity": int(chunk_bytes * 2.5), "shm_name": shm_name},
+    return {"promote_on_hit": False, "persist_on_close": False,
+            "tiers": [{"kind": "dram", "capacity": int(chunk_bytes * 2.5), "shm_name": shm_name, "codec": "raw"},
                       {"kind": "redis", "url": url, "write_back": write_back,
                        "namespace": f"slow-{uuid.uuid4().hex[:8]}"}]}
 

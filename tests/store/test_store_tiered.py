@@ -17,7 +17,7 @@ MiB = 2**20
 
 def config(tmp_path, shm_name, *, dram=64 * MiB, ssd=512 * MiB, write_back=True, engine=None, promote=True):
     return {"promote_on_hit": promote, "engine": engine or {},
-            "tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name},
+            "tiers": [{"kind": "dram", "capacity": dram, "shm_name": shm_name, "codec": "raw"},
                       {"kind": "ssd", "capacity": ssd, "path": str(tmp_path / "ssd"), "write_back": write_back}]}
 
 
