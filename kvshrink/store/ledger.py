@@ -147,29 +147,27 @@ class CopyLedger:
                 self.backed[index].add(key)
 
     @contextmanager
-    def superseding(self, key: bytes, wait_for: Sequence[int], hide_in: Sequence[int]) -> Iterator[None]:
-        """A put of ``key`` runs inside: every move of the key is doomed, its parked chunk
-        dropped, its copies on the ``hide_in`` tiers hidden, and landings in the ``wait_for``
-        tiers finished before the body runs; moves that begin inside are born doomed."""
+    def superseding(self, key: bytes, wait_for: Sequence[int], hide_in: Sequence[int]) -> Iterator[bool]:
+        """A put or a delete of ``key`` runs inside: every move of the key is doomed, its parked
+        chunk dropped, its copies on the ``hide_in`` tiers hidden, and landings in the
+        ``wait_for`` tiers finished before the body runs (a doomed move that was already writing
+        lands first, so the body sees it); moves that begin inside are born doomed. Yields
+        whether a parked chunk was dropped."""
         with self._cv:
             self._superseding[key] += 1
-            if self._doom_locked(key):
+            parked = self._doom_locked(key)
+            if parked:
                 self.moved += 1  # its parked copy went, the new one is in place: a read that missed looks again
             for index in hide_in:
                 self.stale[index].add(key)
             self._cv.wait_for(lambda: not any(self._landing[(key, t)] for t in wait_for))
         try:
-            yield
+            yield parked
         finally:
             with self._cv:
                 self._superseding[key] -= 1
                 if not self._superseding[key]:
                     del self._superseding[key]
-
-    def forget(self, key: bytes) -> bool:
-        """``delete`` of ``key``: doom its moves, drop its parked chunk; True if one was parked."""
-        with self._cv:
-            return self._doom_locked(key)
 
     def _doom_locked(self, key: bytes) -> bool:
         for move in self._moves.get(key, ()):

@@ -259,11 +259,12 @@ class TieredStore:
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` from every tier; True if some tier held it. Drop listeners are not
         told: the return value is the caller's notice. Copies in flight between tiers are
-        abandoned (one already writing may still land)."""
+        abandoned; one already writing is waited for (a write-back landing just after the
+        delete would bring the key back), so a delete may wait for one tier write."""
         key = check_key(key)
         self._prefetch.forget(key)
-        parked = self._ledger.forget(key)
-        held = [tier.delete(key) for tier in self.tiers]
+        with self._ledger.superseding(key, wait_for=range(len(self.tiers)), hide_in=()) as parked:
+            held = [tier.delete(key) for tier in self.tiers]
         for index in self._tiers.remote:
             if held[index]:
                 self._ledger.unhide(index, [key])

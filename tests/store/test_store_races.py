@@ -18,6 +18,8 @@ the code before the fix.
   below must go, or it sits in both exclusive tiers (tiered.py, ``_settle_planned``); forced
   once, then a loop that pins the next victim on and off while puts run.
 * The DRAM tier's usage is a running total that always equals what it holds.
+* A delete while a write-back is writing the key into the SSD: the copy landed after the delete
+  and the key came back (tiered.py, ``delete``; seen once in CI as a lookup hit after delete).
 """
 
 from __future__ import annotations
@@ -55,20 +57,21 @@ class PauseOnce:
     ``when(args, result)`` holds runs the real method, then sets ``reached`` and waits for
     ``release`` before returning its result. Every other call passes straight through."""
 
-    def __init__(self, obj: Any, name: str, when: Callable[[tuple, Any], bool]) -> None:
+    def __init__(self, obj: Any, name: str, when: Callable[[tuple, Any], bool], before: bool = False) -> None:
         self.real = getattr(obj, name)
         self.when = when
+        self.before = before  # pause before the real call (``when`` then sees result None)
         self.thread: int | None = -1  # set by the test: nobody pauses before
         self.reached, self.release = threading.Event(), threading.Event()
         self.fired = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.real(*args, **kwargs)
+        result = None if self.before else self.real(*args, **kwargs)
         if not self.fired and self.thread in (None, threading.get_ident()) and self.when(args, result):
             self.fired = True
             self.reached.set()
             assert self.release.wait(WAIT_S), "the other side of the race did not finish"
-        return result
+        return self.real(*args, **kwargs) if self.before else result
 
 
 @pytest.mark.parametrize("look", ["contains", "get"])
@@ -197,6 +200,36 @@ def test_an_ssd_read_that_finds_its_file_gone_keeps_a_write_that_replaced_it(tmp
         assert got[0] is None or np.array_equal(got[0], chunk)
     finally:
         tier.close()
+
+
+def test_a_delete_during_a_write_back_leaves_no_copy(tmp_path, shm_name, small_chunks, monkeypatch):
+    """DRAM + a write-back SSD (LMCache's L2 contract suite's store): the put's write-back is
+    about to write the SSD when the key is deleted. Before the fix the delete returned at once,
+    the copy landed after it, and the deleted key was found again on the SSD."""
+    config = {"tiers": [{"kind": "dram", "capacity": "16MiB", "shm_name": shm_name, "codec": "raw"},
+                        {"kind": "ssd", "capacity": "64MiB", "path": str(tmp_path / "ssd"), "write_back": True}]}
+    with TieredStore.from_config(config) as store:
+        ssd = store.tiers[1]
+        pause = PauseOnce(ssd, "write_frame", lambda args, result: args[0] == KEY, before=True)
+        pause.thread = None  # the write-back thread
+        monkeypatch.setattr(ssd, "write_frame", pause)
+        assert store.put(KEY, small_chunks[0]).result(timeout=WAIT_S) is True
+        assert pause.reached.wait(WAIT_S), "the write-back never reached the SSD"
+        deleted: list[bool] = []
+        deleter = threading.Thread(target=lambda: deleted.append(store.delete(KEY)))
+        deleter.start()
+        deleter.join(0.5)
+        waited = deleter.is_alive()
+        pause.release.set()
+        deleter.join(WAIT_S)
+        store.flush(timeout=WAIT_S)
+        assert deleted == [True]
+        assert not ssd.contains(KEY) and store.where(KEY) is None and store.get(KEY) is None, \
+            "the write-back landed after the delete: the deleted key is back"
+        assert waited, "the delete did not wait for the copy it had to remove"
+        assert store.put(b"other", small_chunks[1]).result(timeout=WAIT_S) is True  # the store goes on
+        store.flush(timeout=WAIT_S)
+        assert ssd.contains(b"other")
 
 
 def test_a_planned_victim_pinned_before_its_eviction_stays_in_one_tier(tmp_path, shm_name, small_chunks):
