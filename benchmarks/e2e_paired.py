@@ -12,6 +12,12 @@ Every step runs on every stack back to back, the order rotating from one step to
 stack's background stores finish before the next stack's request starts (``Stack.wait_idle``): load
 from elsewhere on the machine falls on all stacks alike and no stack's writes slow another's
 prefill. Hits are read from LMCache's own lookup counters (``/metrics``), never inferred from time.
+Nor may one stack's engine slow another's: vLLM CPU's worker busy-polls its step queue (``sched_yield``) for 1 s
+after every engine step, and every stack's worker is pinned to the same core, so a request sent
+within that second of another stack's request ran its forward pass beside a spinning neighbour (a
+1-token step took 0.23-0.38 s instead of ~0.05 s) and finished when the spin ended: the ~0.6 s
+step that made every short TTFT bimodal. Before each request a stack waits until every other live
+stack's vLLM is idle (:meth:`Stack.wait_neighbours_quiet`, measured from ``/proc``, not assumed).
 
 Phases:
 
@@ -57,6 +63,7 @@ import statistics
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -74,6 +81,12 @@ ENGINE_ARGS = ("--dtype", "bfloat16")
 ENGINE_LABEL = "vLLM CPU 0.32, SmolLM2-135M bf16 (weights, compute and KV), prefix cache off"
 L1_FLOOR_MIB = 16  # LMCache's L1 must hold one request's chunks while it loads them into vLLM
 L1_EVICTION_RATIO = 0.2  # LMCache's default: a fifth of the L1's keys per eviction pass
+# vLLM CPU's worker polls its shared-memory step queue with sched_yield for 1 s after each read
+# (vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s); a stack
+# counts as quiet once its vLLM processes used under QUIET_CPU_S of CPU in a QUIET_WINDOW_S window
+ENGINE_SPIN_S = 1.0
+QUIET_WINDOW_S = 0.1
+QUIET_CPU_S = 0.02
 ALLOCATION_FAILED = "Failed to batched allocate"  # LMCache's log line for a store dropped for want of L1 room
 ADAPTER = {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_adapter",
            "class_name": "KVShrinkL2Adapter"}
@@ -178,10 +191,17 @@ class Sample:
     l1_hit_tokens: float
     l2_hit_tokens: float
     text: str
+    neighbour_wait_s: float = 0.0  # waited before the request for other stacks' engines to go idle
 
 
 class Stack:
-    """A cache server (restartable on one port, reconfigurable) with its own vLLM attached."""
+    """A cache server (restartable on one port, reconfigurable) with its own vLLM attached.
+
+    Every stack whose vLLM runs in this process is every other's neighbour: they share the
+    machine, so before a request each waits until its neighbours' engines are idle
+    (``quiet_neighbours``; off only to measure what it prevents)."""
+
+    _live: "weakref.WeakSet[Stack]" = weakref.WeakSet()
 
     def __init__(self, key: str, side: str, root: Path, log_dir: Path, chunk_tokens: int) -> None:
         self.key, self.side, self.chunk_tokens = key, side, chunk_tokens
@@ -193,6 +213,7 @@ class Stack:
         self.server: Any = None
         self.vllm: Any = None
         self.arrangement: Arrangement | None = None
+        self.quiet_neighbours = True
         self._starts = 0
 
     def launch_cache(self, arrangement: Arrangement) -> None:
@@ -218,6 +239,7 @@ class Stack:
                                kv_cache_space_gb=1,  # ~45K tokens of bf16 KV: the longest request needs 2.5K
                                log_path=self.log_dir / f"vllm-{self.key}.log")
         self.vllm.launch()
+        Stack._live.add(self)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         from kvshrink.testing.mp_observe import wait_for_engine
@@ -244,11 +266,46 @@ class Stack:
         from kvshrink.testing.mp_observe import cache_counters
         from kvshrink.testing.streaming_client import stream_completion
 
+        waited = self.wait_neighbours_quiet() if self.quiet_neighbours else 0.0
         before = cache_counters(self.server.http_url)
         result = stream_completion(self.vllm.url, "smollm2", list(prompt), max_tokens=max_tokens, timeout=timeout)
         delta = cache_counters(self.server.http_url) - before
         return Sample(result.ttft_s, len(prompt), delta.hit_tokens, delta.l1_hit_tokens, delta.l2_hit_tokens,
-                      result.text)
+                      result.text, waited)
+
+    def engine_cpu_s(self) -> float:
+        """CPU seconds used so far by every thread of this stack's vLLM processes (from /proc)."""
+        from kvshrink.testing.processes import group_pids
+
+        if self.vllm is None or self.vllm.proc is None:
+            return 0.0
+        total = 0
+        for pid in group_pids(self.vllm.proc.pid):
+            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    total += int(stat.read_text().split()[0])  # ns on CPU, run-queue wait, slices
+        return total / 1e9
+
+    def neighbours(self) -> list["Stack"]:
+        return [s for s in Stack._live if s is not self and s.vllm is not None and s.vllm.running]
+
+    def wait_neighbours_quiet(self, timeout: float = 3 * ENGINE_SPIN_S) -> float:
+        """Until every other live stack's vLLM used under :data:`QUIET_CPU_S` of CPU in one
+        :data:`QUIET_WINDOW_S` window, i.e. its worker stopped spinning (about
+        :data:`ENGINE_SPIN_S` after its last step); seconds waited. After ``timeout`` it goes ahead
+        (a neighbour busy for another reason is not this wait's to fix)."""
+        others = self.neighbours()
+        if not others:
+            return 0.0
+        start = time.monotonic()
+        used = sum(s.engine_cpu_s() for s in others)
+        while time.monotonic() - start < timeout:
+            time.sleep(QUIET_WINDOW_S)
+            now = sum(s.engine_cpu_s() for s in others)
+            if now - used < QUIET_CPU_S:
+                break
+            used = now
+        return time.monotonic() - start
 
     def clear_l1(self) -> None:
         import httpx
@@ -297,6 +354,7 @@ class Stack:
         Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
 
     def close(self) -> None:
+        Stack._live.discard(self)
         for proc in (self.vllm, self.server):
             if proc is not None:
                 with contextlib.suppress(Exception):
@@ -362,6 +420,7 @@ class PairedSettings:
     stock_variants: tuple[str, ...] = STOCK_VARIANTS
     max_tokens: int = 4
     trace_file: str = ""
+    quiet_neighbours: bool = True  # each request waits for the other stacks' engines to go idle
 
 
 def stores_idle(status: dict[str, Any], ours: bool) -> bool:
@@ -495,6 +554,8 @@ class PairedBench:
         variants = settings.stock_variants if settings.fractions else settings.stock_variants[:1]  # no replay: the hot pair
         keys = [(v, STOCK) for v in variants] + [("ours", OURS)]
         self.stacks = [Stack(k, side, self.root, self.log_dir, settings.chunk_tokens) for k, side in keys]
+        for stack in self.stacks:
+            stack.quiet_neighbours = settings.quiet_neighbours
         self._launched = False
 
     @property

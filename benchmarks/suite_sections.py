@@ -409,6 +409,14 @@ def e2e_section(result: Any) -> Section:
                                "restart": result.restart, "replay": result.replay},
                       store_config=result.store_config)
     _e2e_hot_rows(section, result)
+    waits = [x.get("neighbour_wait_s", 0.0) for by in result.hot.get("samples", {}).values() for xs in by.values()
+             for x in xs] + [x.get("neighbour_wait_s", 0.0) for e in result.replay for xs in e["samples"].values()
+                             for x in xs]
+    if result.settings.get("quiet_neighbours", False):
+        section.notes.append("before each request a stack waited until the other stacks' vLLM engines were idle "
+                             "(vLLM CPU's worker spins on its core for 1 s after each step; every worker is on "
+                             f"the same core): mean wait {statistics.fmean(waits) if waits else 0.0:.2f} s, same on "
+                             "every stack, not counted in TTFT")
     in_range = []
     for case, stock, ours in ep.side_runs(result):
         section.comparisons += compare("e2e agent replay", case, stock, ours, [
