@@ -46,7 +46,7 @@ from kvshrink.storage_backends.keys import encode_engine_key
 from kvshrink.storage_backends.memory_objs import chunk_tensor
 from kvshrink.storage_backends.plugin_settings import PluginSettings
 from kvshrink.storage_backends.store_setup import open_store, warm_codec
-from kvshrink.store.metrics import MultiprocessMirror, SnapshotCollector, multiprocess_mode, register, unregister
+from kvshrink.store.metrics_export import MultiprocessMirror, SnapshotCollector, multiprocess_mode, register, unregister
 
 if TYPE_CHECKING:
     import torch

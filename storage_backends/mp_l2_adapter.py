@@ -73,7 +73,7 @@ from kvshrink.storage_backends.mp_adapter_config import DEFAULT_WORKERS, PARAMS_
 from kvshrink.storage_backends.store_setup import file_key_prefix, open_store, warm_codec
 from kvshrink.storage_backends.task_channels import L2TaskRunner, when_all_done
 from kvshrink.storage_backends.tier_reporter import TierReporter, media_of, subscribe_tokens
-from kvshrink.store.metrics import register, unregister
+from kvshrink.store.metrics_export import register, unregister
 
 if TYPE_CHECKING:
     from lmcache.lmcache_native import Bitmap

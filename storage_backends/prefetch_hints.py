@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from kvshrink.config_checks import int_value, mapping_value, port_value
 from kvshrink.errors import ConfigError, KVShrinkError, StoreClosedError
-from kvshrink.store.metrics import SnapshotCollector, register, unregister
+from kvshrink.store.metrics_export import SnapshotCollector, register, unregister
 
 if TYPE_CHECKING:
     from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext

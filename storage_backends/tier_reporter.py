@@ -202,7 +202,7 @@ class TierReporter:
     def collector(self) -> Any:
         """A prometheus_client collector of :meth:`stats`: ``kvshrink_tier_reporter_<counter>_total``
         and the gauges ``kvshrink_tier_reporter_{pending_keys,unsent_entries,reported_chunks}``."""
-        from kvshrink.store.metrics import SnapshotCollector
+        from kvshrink.store.metrics_export import SnapshotCollector
 
         return SnapshotCollector("kvshrink_tier_reporter", self.stats, REPORTER_COUNTERS, REPORTER_GAUGES,
                                  "tier reporter")

@@ -152,14 +152,14 @@ class TieredStore:
         staged = (lent, None) if lent is not None else self.engine.stage(kv)
         if staged is None:
             self.engine.counters.add("dropped_staging_full")
-            return self._timed_put(start, _done(False))
+            return self.metrics.observe_put(start, _done(False))
         chunk, buf = staged
         future = self.engine.puts.try_submit(self._jobs.store, key, chunk, buf)
         if future is None:
             if buf is not None:
                 self.engine.staging.release(buf)
             self.engine.counters.add("dropped_queue_full")
-            return self._timed_put(start, _done(False))
+            return self.metrics.observe_put(start, _done(False))
         self.metrics.observe_put(start, future)
         self.engine.counters.add("puts")
         with self._inflight_lock:
@@ -171,10 +171,6 @@ class TieredStore:
                     del self._inflight[key]
 
         future.add_done_callback(forget)
-        return future
-
-    def _timed_put(self, start: float, future: Future) -> Future:
-        self.metrics.observe_put(start, future)
         return future
 
     def in_flight(self, key: bytes) -> bool:

@@ -150,7 +150,7 @@ MIRRORED = textwrap.dedent("""
     import sys
     import numpy as np
     from kvshrink.store import TieredStore
-    from kvshrink.store.metrics import MultiprocessMirror, multiprocess_mode
+    from kvshrink.store.metrics_export import MultiprocessMirror, multiprocess_mode
     from kvshrink.testing.fixtures.real_kv import real_kv
 
     assert multiprocess_mode()
