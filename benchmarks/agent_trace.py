@@ -39,6 +39,10 @@ class TraceConfig:
     vocab_size: int = 49152
     think_s: float = 2.0  # mean tool / user time between a reply and the next turn
     nominal_turn_s: float = 3.0  # assumed turn duration, only to lay out arrival_s
+    # when set, every session grows to exactly this many positions: its last prompt + that turn's
+    # max_tokens fills the model's context (tokens_per_turn is then unused; each session spreads
+    # the growth over its own turns, at least two)
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,23 @@ class _Tokens:
         return out
 
 
+def _growth(rng: np.random.Generator, cfg: TraceConfig, n_turns: int, first: int) -> tuple[list[int], list[int]]:
+    """Assistant tokens per turn and tool-output tokens appended after each turn but the last, so
+    that the last prompt plus its assistant tokens is exactly ``cfg.context_tokens``: agents run
+    until their context is full, however many turns that takes."""
+    outs = [_jitter(rng, cfg.output_tokens) for _ in range(n_turns)]
+    room = cfg.context_tokens - outs[-1] - first - sum(outs[:-1])
+    if room < n_turns - 1:
+        raise ValueError(f"context_tokens={cfg.context_tokens} leaves no room to grow a {first}-token first prompt "
+                         f"over {n_turns} turns")
+    weights = rng.uniform(0.5, 1.5, n_turns - 1)
+    tools = [max(1, int(room * w / weights.sum())) for w in weights]
+    tools[-1] += room - sum(tools)
+    if tools[-1] < 1:
+        raise ValueError(f"context_tokens={cfg.context_tokens} is too short for {n_turns} turns")
+    return outs, tools + [0]
+
+
 def generate_sessions(cfg: TraceConfig, text_tokens: np.ndarray | None = None) -> list[list[AgentRequest]]:
     """Every session's turns in order (arrival times laid out by slot). With ``text_tokens`` every
     fresh run of tokens is the next slice of that text instead of random ids (same shape, same
@@ -100,16 +121,24 @@ def generate_sessions(cfg: TraceConfig, text_tokens: np.ndarray | None = None) -
         agent = int(rng.integers(cfg.agents))
         n_turns = _jitter(rng, cfg.turns)
         prompt = np.concatenate([systems[agent], tokens.draw(_jitter(rng, cfg.first_user_tokens))])
+        sizes = None
+        if cfg.context_tokens:
+            n_turns = max(2, n_turns)
+            sizes = _growth(rng, cfg, n_turns, prompt.size)
         new, reply = prompt.size, 0
         turns = []
         for turn in range(n_turns):
             think = float(rng.exponential(cfg.think_s)) if turn else 0.0
             slot_clock[slot] += think
-            out = _jitter(rng, cfg.output_tokens)
+            out = sizes[0][turn] if sizes else _jitter(rng, cfg.output_tokens)
             turns.append(AgentRequest(sid, turn, agent, prompt, new, cfg.system_tokens, reply, out, slot_clock[slot],
                                       think, turn == n_turns - 1))
             slot_clock[slot] += cfg.nominal_turn_s
-            appended = np.concatenate([tokens.draw(out), tokens.draw(_jitter(rng, cfg.tokens_per_turn))])
+            if sizes and turn == n_turns - 1:
+                break  # (the random-size path draws one more append, unused, as it always has)
+            reply_ids = tokens.draw(out)  # before the tool output's size: the random-size path's draw order
+            appended = np.concatenate([reply_ids, tokens.draw(sizes[1][turn] if sizes else
+                                                              _jitter(rng, cfg.tokens_per_turn))])
             new, reply = appended.size, out
             prompt = np.concatenate([prompt, appended])
         sessions.append(turns)

@@ -26,6 +26,10 @@ Phases:
   files in the page cache); medians of paired ratios with 95 % bootstrap intervals.
 * **restart**: both cache servers restarted (our shared-memory DRAM tier removed too, so ours comes
   from the SSD tier, as stock's from its files), the hot-path prompt again, against its cold TTFT.
+* **context lengths** (:mod:`~kvshrink.benchmarks.context_ttft`, the hot pair): TTFT cold and warm
+  from LMCache's L1, from the first L2 tier and from our SSD tier after a restart, at 1K-8K tokens
+  (``context_lengths``), pairs sized from the cold prefill it measures; where loading beats
+  recomputing on this machine, for both sides.
 * **agent replay**, the workload the project exists for: an agent trace whose sessions' contexts
   grow every turn, more KV than the budget, at several budgets, sessions interleaved at random
   (think times longer than a turn) so that the KV a turn needs has aged by varying amounts. Every
@@ -44,9 +48,13 @@ Phases:
   p90, bytes held.
 
 Engine: vLLM CPU serves SmolLM2 in bf16, KV included, as a GPU deployment would. On an AVX2-only
-CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), so the trace is small
-(``PairedSettings.trace``: 50 requests, ~24K prompt tokens a replay, sized for intervals that can
-decide: docs/bench/notes.md). Each replay also records the trace's reuse ceiling
+CPU bf16 is emulated: a miss costs ~28 ms a token (1024 tokens cold: ~29 s), ~20x what it costs
+with AMX, so the trace's sessions grow to the model's 8192 positions but how many sessions and
+turns is chosen per machine: with a time budget (``time_left``, from ``kvshrink bench
+--time-budget``) the harness measures this machine's speeds just before the replay and sizes the
+trace to fit (:meth:`PairedBench.choose_trace`, ``trace_sizing``); the trace's context lengths, its
+working set and the sizing go into ``workload`` (:func:`trace_record`). Each replay also records
+the trace's reuse ceiling
 (:func:`reuse_ceiling`, what an unbounded cache hits): where stock at its best hits within 10
 points of it, no cache can show the +10-point target. Two faster settings were
 tried and rejected: fp32 compute with ``--kv-cache-dtype bfloat16`` prefills 5x faster but vLLM
@@ -236,7 +244,7 @@ class Stack:
 
         self.vllm = VLLMServer(model, kv_transfer_config=connector_config_with_heartbeat(self.server),
                                served_model_name="smollm2", extra_args=ENGINE_ARGS, max_model_len=max_model_len,
-                               kv_cache_space_gb=1,  # ~45K tokens of bf16 KV: the longest request needs 2.5K
+                               kv_cache_space_gb=1,  # ~45K tokens of bf16 KV: the longest request needs 8K
                                log_path=self.log_dir / f"vllm-{self.key}.log")
         self.vllm.launch()
         Stack._live.add(self)
@@ -405,22 +413,29 @@ class PairedSettings:
     hot_pairs: int = 15
     hot_l1_mib: float = 256
     restart: bool = True
-    # sized for vLLM CPU bf16 (a miss costs ~28 ms a token on 2 AVX2 cores): 8 agent sessions of
-    # 3-9 turns, all in flight at once and interleaved at random (a think time of ~20 s against a
-    # nominal 3 s turn), contexts 0.3-0.8K tokens; 50 requests, ~24K prompt tokens a replay. Twice
-    # the requests of the earlier 6-session trace for about 1.5x its prefill: a hit costs ~1 s, a
-    # miss ~10 s, so more turns per session buy requests (interval width) cheaply
-    # (the power analysis in docs/bench/notes.md, made with experiments/replay_model.py)
+    # agent sessions as agents run them: each starts at ~1K tokens (system prompt + first user
+    # message) and grows by tool output and replies until it fills SmolLM2's 8192 positions, all in
+    # flight at once and interleaved at random (a think time of ~20 s against a nominal 3 s turn).
+    # Sessions and turns here are the unsized default: ``kvshrink bench`` picks them for the time it
+    # has from this machine's measured speeds (benchmarks/trace_sizing.py); the shape stays
     trace: dict[str, Any] = field(default_factory=lambda: dict(
-        sessions=8, turns=6, concurrency=8, system_tokens=128, first_user_tokens=256, tokens_per_turn=32,
+        sessions=8, turns=6, concurrency=8, system_tokens=256, first_user_tokens=768, context_tokens=8192,
         output_tokens=16, agents=1, think_s=20.0, seed=0))
-    fractions: tuple[float, ...] = (0.45, 0.5, 0.55)  # budget / distinct KV of the trace
+    # budget / distinct KV of the trace: the working set is 2.2-4x every budget, so every budget
+    # evicts and stock's hit rate stays well under the trace's reuse ceiling
+    fractions: tuple[float, ...] = (0.25, 0.35, 0.45)
     dram_share: float = 0.25
-    chunk_tokens: int = 128  # LMCache's default is 256; both sides run 128 (finer reuse of short prompts)
+    chunk_tokens: int = 256  # LMCache's default, both sides
+    # cold prefill lengths the sizing measures before the replay when no earlier phase did
+    sizing_lengths: tuple[int, ...] = (1024, 4096)
     stock_variants: tuple[str, ...] = STOCK_VARIANTS
     max_tokens: int = 4
     trace_file: str = ""
     quiet_neighbours: bool = True  # each request waits for the other stacks' engines to go idle
+    # TTFT by context length (benchmarks/context_ttft.py) on the hot pair: nominal lengths (none: not
+    # run) and the seconds the phase may spend; its pairs are sized from the cold prefill it measures
+    context_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    context_budget_s: float = 900.0
 
 
 def stores_idle(status: dict[str, Any], ours: bool) -> bool:
@@ -466,13 +481,20 @@ class PairedResult:
     replay: list[dict[str, Any]] = field(default_factory=list)
     store_config: dict[str, Any] | None = None
     engine: str = ENGINE_LABEL
+    context: dict[str, Any] = field(default_factory=dict)  # TTFT by context length (context_ttft)
 
 
 def prefix_chunk_keys(token_ids: Any, chunk_tokens: int) -> list[str]:
     """One key per whole chunk of a prompt, naming the whole prefix up to it (as LMCache's chained
     chunk hashes do)."""
+    import hashlib
+
     ids = np.asarray(token_ids, dtype=np.int64)
-    return [digest(ids[:(i + 1) * chunk_tokens]) for i in range(ids.size // chunk_tokens)]
+    running, keys = hashlib.sha256(), []
+    for i in range(ids.size // chunk_tokens):  # one pass: an 8K-token prompt is 32 chunks
+        running.update(ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
+        keys.append(running.copy().hexdigest()[:16])
+    return keys
 
 
 def distinct_chunks(requests: Sequence[Any], chunk_tokens: int) -> int:
@@ -484,14 +506,72 @@ def reuse_ceiling(requests: Sequence[Any], chunk_tokens: int) -> float:
     """Hit rate of an unbounded prefix cache on this trace: the prompt tokens that lie in whole
     chunks of a prefix seen before. No budget hits more, so where stock at its best already hits
     within d of it, no cache can gain d over stock."""
+    total = sum(len(r.token_ids) for r in requests)
+    return sum(reusable_tokens(requests, chunk_tokens)) / total if total else 0.0
+
+
+def reusable_tokens(requests: Sequence[Any], chunk_tokens: int) -> list[int]:
+    """Per request, the tokens an unbounded prefix cache would serve: its whole chunks up to the
+    first one no earlier request had."""
     seen: set[str] = set()
-    hit = total = 0
+    out = []
     for r in requests:
         keys = prefix_chunk_keys(r.token_ids, chunk_tokens)
-        hit += next((i for i, k in enumerate(keys) if k not in seen), len(keys)) * chunk_tokens
-        total += len(r.token_ids)
+        out.append(next((i for i, k in enumerate(keys) if k not in seen), len(keys)) * chunk_tokens)
         seen.update(keys)
-    return hit / total if total else 0.0
+    return out
+
+
+def trace_record(requests: Sequence[Any], chunk_tokens: int, budgets: Sequence[Budget],
+                 requested: dict[str, Any] | None) -> dict[str, Any]:
+    """What report.json says of the replay's trace: its fingerprint and size, the context lengths
+    it reaches (per session: the last prompt plus its answer, in positions) against ``requested``
+    (the generator's settings; None for a user's trace), and the KV working set against the
+    largest budget."""
+    prompts = [len(r.token_ids) for r in requests]
+    final: dict[Any, int] = {}
+    for r in requests:
+        final[r.session_id] = max(final.get(r.session_id, 0), len(r.token_ids) + int(getattr(r, "max_tokens", 0)))
+    distinct = distinct_chunks(requests, chunk_tokens)
+    working_set = distinct * chunk_tokens * BYTES_PER_TOKEN
+    largest = max((b.total_mib for b in budgets), default=0.0) * MIB
+    lengths = None
+    if requested is not None:
+        lengths = {"first_prompt_tokens": requested.get("system_tokens", 0) + requested.get("first_user_tokens", 0),
+                   "context_tokens": requested.get("context_tokens", 0), "sessions": requested.get("sessions"),
+                   "turns": requested.get("turns")}
+    return {"trace": digest(*[np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
+            "requests": len(requests), "sessions": len(final), "prompt_tokens": int(sum(prompts)),
+            "distinct_chunks": distinct, "reuse_ceiling": reuse_ceiling(requests, chunk_tokens),
+            "replay_l1_headroom_mib": l1_headroom_for(requests),
+            "context": {"requested": lengths, "session_final_positions": [final[k] for k in sorted(final)],
+                        "prompt_tokens_min": int(min(prompts)), "prompt_tokens_median": float(np.median(prompts)),
+                        "prompt_tokens_max": int(max(prompts))},
+            "working_set_bytes": int(working_set),
+            "working_set_over_largest_budget": working_set / largest if largest else None}
+
+
+def phase_samples(result: PairedResult) -> dict[str, Any]:
+    """What the phases before the replay measured, as the sizing needs it: (prompt tokens, median
+    cold TTFT) per length, the TTFT of a request that prefills nothing (warm from L1, shortest
+    prompt), what a token loaded from L2 adds, and the mean wait for the other stacks' engines."""
+    by: dict[str, dict[int, list[float]]] = {"cold": {}, "warm_l1": {}, "warm_l2": {}}
+    waits: list[float] = []
+    sets = [result.hot.get("samples", {})] + [e.get("samples", {}) for e in result.context.get("by_length", [])]
+    for samples in sets:
+        for label, per_stack in samples.items():
+            for xs in per_stack.values():
+                for x in xs:
+                    if label in by:
+                        by[label].setdefault(int(x["prompt_tokens"]), []).append(float(x["ttft_s"]))
+                    if label != "cold":
+                        waits.append(float(x.get("neighbour_wait_s", 0.0)))
+    med = {label: {n: statistics.median(v) for n, v in d.items()} for label, d in by.items()}
+    fixed = med["warm_l1"][min(med["warm_l1"])] if med["warm_l1"] else 0.2
+    load = [(t - fixed) / n for n, t in med["warm_l2"].items() if n]
+    return {"cold": sorted(med["cold"].items()), "fixed_s": fixed,
+            "load_s_per_token": max(0.0, statistics.median(load)) if load else 0.0,
+            "wait_s": (statistics.fmean(waits) if waits else ENGINE_SPIN_S) + 0.1}  # + the harness's own polls
 
 
 def budgets_for(distinct: int, chunk_tokens: int, fractions: Sequence[float], dram_share: float) -> list[Budget]:
@@ -527,7 +607,9 @@ def hot_prompt(model: Path, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def trace_requests(settings: PairedSettings, model: Path) -> list[Any]:
+def trace_requests(settings: PairedSettings, model: Path, trace: dict[str, Any] | None = None) -> list[Any]:
+    """The replay's requests: the user's file, else the agent trace of ``trace`` (default
+    ``settings.trace``) over real prose."""
     if settings.trace_file:
         from transformers import AutoTokenizer
 
@@ -538,7 +620,8 @@ def trace_requests(settings: PairedSettings, model: Path) -> list[Any]:
                           tokenizer=lambda text: tokenizer(text, add_special_tokens=False).input_ids)
     from kvshrink.benchmarks.agent_trace import TraceConfig, generate
 
-    return generate(TraceConfig(**settings.trace), text_tokens=np.asarray(corpus_tokens(model, "prose"), np.int32))
+    return generate(TraceConfig(**(trace or settings.trace)),
+                    text_tokens=np.asarray(corpus_tokens(model, "prose"), np.int32))
 
 
 class PairedBench:
@@ -557,6 +640,11 @@ class PairedBench:
         for stack in self.stacks:
             stack.quiet_neighbours = settings.quiet_neighbours
         self._launched = False
+        # seconds the replay may take, given this machine's measured speeds (``kvshrink bench`` sets
+        # it from --time-budget); None: the trace of ``settings`` as it is, nothing measured
+        self.time_left: Callable[[Any], float] | None = None
+        self.say: Callable[[str], None] = print
+        self.size_only = False  # measure and size the trace, replay nothing (checking the sizing)
 
     @property
     def ours(self) -> Stack:
@@ -572,8 +660,11 @@ class PairedBench:
                 stack.launch_cache(self.hot(stack))
             for stack in self.stacks:
                 stack.server.wait_healthy()
+            from kvshrink.benchmarks.context_ttft import max_model_len_for
+
             for stack in self.stacks:
-                stack.launch_vllm(self.model)
+                stack.launch_vllm(self.model, max_model_len=max(max_model_len_for(self.settings.context_lengths),
+                                                                self.settings.trace.get("context_tokens", 0)))
             self._launched = True
         return self
 
@@ -582,20 +673,10 @@ class PairedBench:
 
         try:
             self.launch()
-            requests = trace_requests(self.settings, self.model)
             prompt = hot_prompt(self.model, self.settings.hot_prompt_tokens)
-            distinct = distinct_chunks(requests, self.settings.chunk_tokens)
-            budgets = budgets_for(distinct, self.settings.chunk_tokens, self.settings.fractions,
-                                  self.settings.dram_share)
-            headroom = l1_headroom_for(requests)
             result = PairedResult(
                 settings={**vars(self.settings)},
-                workload={"model": model_fingerprint(self.model), "engine": ENGINE_LABEL,
-                          "trace": digest(*[np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
-                          "hot_prompt": digest(prompt),
-                          "requests": len(requests), "distinct_chunks": distinct, "replay_l1_headroom_mib": headroom,
-                          "reuse_ceiling": reuse_ceiling(requests, self.settings.chunk_tokens),
-                          "prompt_tokens": int(sum(len(r.token_ids) for r in requests))},
+                workload={"model": model_fingerprint(self.model), "engine": ENGINE_LABEL, "hot_prompt": digest(prompt)},
                 store_config=store_record(self.template))
             self.progress("starting vLLM")
             for stack in self.stacks:
@@ -603,11 +684,73 @@ class PairedBench:
             result.hot = self.hot_path(prompt)
             if self.settings.restart:
                 result.restart = self.restart(prompt, result.hot)
-            for budget in budgets:
-                result.replay.append(self.replay(requests, budget, headroom))
+            if self.settings.context_lengths:
+                result.context = self.context_lengths()
+            if self.settings.fractions:
+                requests, budgets = self.choose_trace(result)
+                for budget in budgets if not self.size_only else ():
+                    result.replay.append(self.replay(requests, budget, result.workload["replay_l1_headroom_mib"]))
             return result
         finally:
             self.stop()
+
+    def choose_trace(self, result: PairedResult) -> tuple[list[Any], list[Budget]]:
+        """The replay's trace and budgets, recorded in ``result.workload``. With ``time_left`` set
+        (by ``kvshrink bench``): this machine's speeds measured first (:meth:`measure_speeds`),
+        then the built-in trace sized to fit (:func:`trace_sizing.size_trace`), or a ``--trace``
+        file only checked against it; the choice and why are printed (``say``)."""
+        from kvshrink.benchmarks import trace_sizing as ts
+
+        s, choice = self.settings, None
+        if self.time_left is not None:
+            speeds = self.measure_speeds(result)
+            budget_s = self.time_left(speeds)
+            self.progress("sizing the agent trace")
+            if s.trace_file:
+                requests = trace_requests(s, self.model)
+                choice = ts.check_trace(requests, speeds, len(self.stacks), len(s.fractions), budget_s, s.chunk_tokens)
+            else:
+                choice = ts.size_trace(s.trace, speeds, len(self.stacks), len(s.fractions), budget_s, s.chunk_tokens)
+                requests = trace_requests(s, self.model, choice.trace)
+            self.say(f"e2e agent replay: {choice.why}")
+            for warning in choice.warnings:
+                self.say(f"e2e agent replay: WARNING: {warning}")
+        else:
+            requests = trace_requests(s, self.model)
+        distinct = distinct_chunks(requests, s.chunk_tokens)
+        budgets = budgets_for(distinct, s.chunk_tokens, s.fractions, s.dram_share)
+        requested = None if s.trace_file else (choice.trace if choice else s.trace)
+        result.workload.update(trace_record(requests, s.chunk_tokens, budgets, requested),
+                               sizing=choice.as_dict() if choice else None)
+        return requests, budgets
+
+    def measure_speeds(self, result: PairedResult) -> Any:
+        """This machine's cost of a request, for sizing the replay: cold prefill at the lengths of
+        ``settings.sizing_lengths`` that earlier phases did not measure (one request each, on our
+        stack, fresh random tokens), and the fixed, load, store and wait costs from the samples
+        the earlier phases took."""
+        from kvshrink.benchmarks import trace_sizing as ts
+        from kvshrink.testing.mp_observe import RESTART_GAP_S
+
+        samples = phase_samples(result)
+        have = {n for n, _ in samples["cold"]}
+        stores = []
+        for n in self.settings.sizing_lengths:
+            if any(abs(n - m) <= n // 4 for m in have):
+                continue
+            self.progress(f"sizing: a cold {n}-token request")
+            prompt = np.random.default_rng(n).integers(1000, 40000, n).tolist()
+            started = time.monotonic()
+            x = self.ours.request(prompt, max_tokens=self.settings.max_tokens)
+            self.ours.wait_idle()
+            stores.append((n, time.monotonic() - started - x.ttft_s - x.neighbour_wait_s))
+            samples["cold"].append((n, x.ttft_s))
+        throwaway = ts.Speeds(tuple(samples["cold"]), samples["fixed_s"]).cold_s(self.settings.chunk_tokens)
+        return ts.Speeds(cold=tuple(sorted(samples["cold"])), fixed_s=samples["fixed_s"],
+                         load_s_per_token=samples["load_s_per_token"],
+                         store_s_per_token=max(0.0, statistics.median(t / n for n, t in stores)) if stores else 0.0,
+                         overhead_s=samples["wait_s"],
+                         per_budget_s=2 * RESTART_GAP_S + 10.0 + len(self.stacks) * (throwaway + 1.0))
 
     def stop(self) -> None:
         for stack in self.stacks:
@@ -648,6 +791,15 @@ class PairedBench:
         out["samples"] = {label: {k: [vars(x) for x in v] for k, v in by.items()} for label, by in samples.items()}
         out["hits_as_expected"] = _hot_hits_ok(samples, len(prompt), chunk)
         return out
+
+    def context_lengths(self) -> dict[str, Any]:
+        """TTFT by context length on the hot pair, cold and warm from every tier
+        (:mod:`~kvshrink.benchmarks.context_ttft`); leaves the pair on its own arrangement."""
+        from kvshrink.benchmarks import context_ttft as ct
+
+        settings = ct.ContextSettings(lengths=tuple(self.settings.context_lengths),
+                                      budget_s=self.settings.context_budget_s, chunk_tokens=self.settings.chunk_tokens)
+        return ct.ContextTTFT(*self._pair(), self.model, settings, self.template, self.progress).run()
 
     def restart(self, prompt: list[int], hot: dict[str, Any]) -> dict[str, Any]:
         """Both cache servers restarted (ours without its DRAM arena), the hot prompt again."""
@@ -729,49 +881,3 @@ def side_runs(result: PairedResult) -> Iterator[tuple[str, SideRun, SideRun]]:
         ours = SideRun(OURS, workload, entry["figures"]["ours"], {"store_config": result.store_config},
                        TierPolicy(**entry["policies"]["ours"]))
         yield entry["label"], stock, ours
-
-
-def print_report(result: PairedResult, out: Callable[[str], None] = print) -> None:
-    out(f"engine: {result.engine}; trace: {result.workload['requests']} requests, "
-        f"{result.workload['prompt_tokens']} prompt tokens, {result.workload['distinct_chunks']} distinct chunks, "
-        f"an unbounded cache would hit {result.workload.get('reuse_ceiling', float('nan')):.1%}")
-    for label in ("warm_l1", "warm_l2"):
-        h = result.hot[label]
-        r = h["ratio"]
-        out(f"hot path {label}: ours/stock {r['median']:.3f} (95 % {r['low']:.3f}-{r['high']:.3f}, {r['pairs']} pairs), "
-            f"target <= {h['target']}: {h['verdict']}")
-    for entry in result.replay:
-        out(f"agent replay at {entry['label']} (stock at its best: {entry['stock_best']}):")
-        for key, f in entry["figures"].items():
-            out(f"  {key:12} hit {f['hit_rate']:.1%}  prefill {f['prefill_s']:7.1f} s  p50 {f['ttft_p50_s']:.2f} s  "
-                f"p90 {f['ttft_p90_s']:.2f} s  held {f['held_bytes'] / MIB:.0f} MiB in {f['held_chunks']:.0f} chunks")
-        p, h = entry["prefill_ratio"], entry["hit_rate_points"]
-        out(f"  prefill ours/stock {p['value']:.3f} (95 % {p['low']:.3f}-{p['high']:.3f}) <= {p['target']}: "
-            f"{p['verdict']}; hit rate {h['value'] * 100:+.1f} points (95 % {h['low'] * 100:+.1f} to "
-            f"{h['high'] * 100:+.1f}) >= +{h['target'] * 100:.0f}: {h['verdict']}")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-    import json
-    from dataclasses import asdict
-
-    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", default="{}", help="JSON overrides of PairedSettings fields")
-    parser.add_argument("--json", type=Path, help="write every figure here")
-    args = parser.parse_args(argv)
-    overrides = json.loads(args.settings)
-    if "fractions" in overrides:
-        overrides["fractions"] = tuple(overrides["fractions"])
-    settings = PairedSettings(**overrides)
-    result = PairedBench(ensure_checkpoint(), settings, progress=lambda s: print(s, flush=True)).run()
-    print_report(result)
-    if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=2, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

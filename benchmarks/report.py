@@ -16,7 +16,7 @@ from kvshrink.benchmarks.bench_extra import pyplot
 from kvshrink.benchmarks.comparison import OURS, STOCK, IncomparableError, check_rows
 
 PLOT_FILES = {"hit_rate": "hit_rate_vs_budget.png", "e2e": "agent_replay_e2e.png", "codec": "ratio_vs_speed.png",
-              "throughput": "l2_throughput.png"}
+              "throughput": "l2_throughput.png", "context": "ttft_by_context_length.png"}
 
 
 class ReportError(IncomparableError):
@@ -121,9 +121,22 @@ def store_line(report: Mapping[str, Any]) -> str | None:
                              if (r := section.get("store_config")))
     if not recorded:
         return None
-    parts = [f"{Path(path).name} (sha256 {sha[:12]}, {'the' if default else 'NOT the'} shipped default)"
-             for path, sha, default in recorded]
+    shipped = shipped_store_sha256()
+    parts = [f"{Path(path).name} (sha256 {sha[:12]}, " + (
+        "the shipped default)" if default and sha == shipped else
+        f"NOT the shipped default: that file is sha256 {shipped[:12]} now)" if default else
+        "NOT the shipped default)") for path, sha, default in recorded]
     return "our store config: " + "; ".join(parts)
+
+
+def shipped_store_sha256() -> str:
+    """sha256 of the shipped ``store-default.yaml`` as installed now: a report measured on another
+    version of it says so when rendered."""
+    import hashlib
+
+    from kvshrink.configs import default_store_path
+
+    return hashlib.sha256(default_store_path().read_bytes()).hexdigest()
 
 
 def notes_of(report: Mapping[str, Any]) -> list[str]:
@@ -162,6 +175,7 @@ def readme_section(report: Mapping[str, Any], image_prefix: str = "") -> str:
         lines += ["", *[f"- {n}" for n in notes]]
     lines.append("")
     for key, title in (("hit_rate", "Hit rate vs cache budget"), ("e2e", "Agent replay end to end on vLLM"),
+                       ("context", "TTFT by context length: loading vs recomputing"),
                        ("codec", "Compression ratio vs speed"), ("throughput", "L2 adapter throughput")):
         name = report.get("plots", {}).get(key)
         if name:
@@ -181,6 +195,13 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
             path = out_dir / PLOT_FILES[key]
             draw(sections[section]["figures"], path)
             written[key] = path.name
+    e2e = sections.get("e2e", {})
+    if e2e.get("status") == "ok" and e2e["figures"].get("context"):  # TTFT by context length, in e2e's run
+        from kvshrink.benchmarks.context_ttft import plot
+
+        path = out_dir / PLOT_FILES["context"]
+        plot(e2e["figures"]["context"], path)
+        written["context"] = path.name
     return written
 
 

@@ -12,17 +12,20 @@ another file) in every section with a store, each section moving and resizing it
 arena names, capacities); each section records the file it ran (path, sha256) as ``store_config``.
 Writes ``report.json`` (every figure), PNG plots, ``table.txt`` and ``README-section.md`` to
 ``--out`` (default ``results/<timestamp>/``). The timed sections run first on a quiet machine; the
-capacity replay (no timings) then runs while e2e's vLLM starts up. Every comparison is checked to come from two sides
-that ran the same trace, model and budget. A section that fails is reported as its error and the
+capacity replay (no timings) then runs while e2e's vLLM starts up. ``--time-budget`` bounds the whole
+run: the e2e agent replay is sized, from speeds measured just before it, to what the run has left.
+Every comparison is checked to come from two sides that ran the same trace, model and budget. A section that fails is reported as its error and the
 run exits 1 without a table; ``--readme-from DIR`` renders the README section of an earlier run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -32,10 +35,16 @@ SECTION_NAMES = ("codec", "capacity", "throughput", "e2e", "tiers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes: under 10 minutes on 2 AVX2 cores (default: full, ~2.3 hours there)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, no agent replay: under 10 minutes on 2 AVX2 cores (default: full, its "
+                             "agent replay sized to --time-budget)")
     parser.add_argument("--sections", default=",".join(SECTION_NAMES),
                         help=f"comma-separated subset of {','.join(SECTION_NAMES)} (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/<timestamp>/)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                        help="minutes the whole run may take; the e2e agent replay is sized to what the sections "
+                             "before it left, less an allowance for the tiers section (default: 25 on a CPU with "
+                             "AMX, 40 on one without)")
     from kvshrink.configs import default_store_path
 
     parser.add_argument("--store-config", type=Path, default=None,
@@ -72,24 +81,32 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     command = "kvshrink bench " + " ".join(_argv_tail())
     report = run_suite(sections, "quick" if args.quick else "full", out_dir, args.store_config, args.threads, command,
-                       trace=args.trace)
+                       trace=args.trace, time_budget_min=args.time_budget)
     return 0 if report["status"] == "ok" else 1
 
 
 def run_suite(sections: Sequence[str], mode: str, out_dir: Path, store_config: Path | None = None,
-              threads: int | None = None, command: str = "kvshrink bench", trace: Path | None = None) -> dict[str, Any]:
-    """Run ``sections``; write and print the report; return it. Never raises for a failing section."""
+              threads: int | None = None, command: str = "kvshrink bench", trace: Path | None = None,
+              time_budget_min: float | None = None) -> dict[str, Any]:
+    """Run ``sections``; write and print the report; return it. Never raises for a failing section.
+    ``time_budget_min`` (default by CPU: :func:`trace_sizing.default_time_budget_min`) bounds the
+    run: the e2e replay is sized to fit what is left of it."""
     from tqdm import tqdm
 
     from kvshrink.benchmarks import report as render
     from kvshrink.benchmarks.suite_sections import SECTIONS, Context, loadavg, machine
     from kvshrink.configs import default_store_path
 
+    from kvshrink.benchmarks.trace_sizing import default_time_budget_min
+
+    about = machine()
+    budget_min = time_budget_min if time_budget_min is not None else default_time_budget_min(about["cpu_flags"])
     ctx = Context(mode=mode, out_dir=out_dir, store_template=Path(store_config or default_store_path()),
-                  threads=threads or os.cpu_count() or 1, bar=tqdm, trace=Path(trace).resolve() if trace else None)
+                  threads=threads or os.cpu_count() or 1, bar=tqdm, trace=Path(trace).resolve() if trace else None,
+                  deadline=time.monotonic() + 60 * budget_min, sections=tuple(sections))
     report: dict[str, Any] = {"kvshrink_bench": 1, "command": command, "mode": mode, "out_dir": str(out_dir),
-                              "started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "sections": {},
-                              "errors": [], "plots": {}}
+                              "started": time.strftime("%Y-%m-%d %H:%M"), "machine": about, "sections": {},
+                              "errors": [], "plots": {}, "time_budget_min": budget_min}
     results: dict[str, Any] = {}
     try:
         with tqdm(execution_order(sections), desc="kvshrink bench", unit="section") as bar:
@@ -155,10 +172,30 @@ def _record_error(errors: list[dict[str, Any]], section: str, exc: BaseException
 def _write(report: dict[str, Any], out_dir: Path) -> None:
     from kvshrink.benchmarks import report as render
 
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=_json_default))
+    (out_dir / "report.json").write_text(json.dumps(portable_paths(report), indent=2, default=_json_default))
     (out_dir / "table.txt").write_text(render.terminal_table(report) + "\n")
     if report["status"] == "ok":
         (out_dir / "README-section.md").write_text(render.readme_section(report))
+
+
+def portable_paths(value: Any, roots: Sequence[tuple[Path, str]] | None = None) -> Any:
+    """``value`` with every absolute path string under the checkout made relative to it and every
+    one under the temporary folder written ``$TMPDIR/...``: a committed report names no machine."""
+    if roots is None:
+        from kvshrink.configs import default_store_path
+
+        checkout = default_store_path().resolve().parents[1]  # <checkout>/configs/store-default.yaml
+        roots = [(checkout, ""), (Path(tempfile.gettempdir()).resolve(), "$TMPDIR")]
+    if isinstance(value, dict):
+        return {k: portable_paths(v, roots) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable_paths(v, roots) for v in value]
+    if isinstance(value, (str, Path)) and str(value).startswith("/"):
+        for root, label in roots:
+            with contextlib.suppress(ValueError):
+                relative = Path(value).relative_to(root)
+                return str(Path(label, relative)) if label else str(relative)
+    return str(value) if isinstance(value, Path) else value
 
 
 def _json_default(value: Any) -> Any:

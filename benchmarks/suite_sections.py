@@ -30,7 +30,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         # token on 2 AVX2 cores, and the last quick replay (8 requests, one 15 MiB budget) took 5.5 of
         # its 15 minutes and was too small to show anything (stock 37.0 %, ours 33.9 % hit); the full
         # run has the replay (e2e_paired.PairedSettings)
-        "e2e": {"hot_pairs": 5, "hot_prompt_tokens": 512, "fractions": ()},
+        "e2e": {"hot_pairs": 5, "hot_prompt_tokens": 512, "fractions": (),
+                # TTFT by context length at 1K and 2K only: a cold 8K prefill takes minutes on 2 AVX2 cores
+                "context_lengths": (1024, 2048), "context_budget_s": 120.0},
         # three cold 4K prefills (~2 min each on 2 AVX2 cores): more than --quick's budget
         "tiers": {},
     },
@@ -58,6 +60,19 @@ class Context:
     bar: Callable[..., Any]  # tqdm factory
     e2e_engine: Any = None  # e2e_paired.PairedBench started early by launch_e2e_engine
     trace: Path | None = None  # a user's JSONL trace (benchmarks/user_trace.py) instead of the generator
+    deadline: float | None = None  # time.monotonic() by which the whole run should end (--time-budget)
+    sections: tuple[str, ...] = ()  # the sections this run runs
+
+    def replay_time_left(self, speeds: Any) -> float:
+        """Seconds the e2e agent replay may take: what is left of the run's time budget, less what
+        the tiers section after it is expected to take on this machine (``speeds``, measured)."""
+        from kvshrink.benchmarks.trace_sizing import tiers_allowance_s
+
+        left = (self.deadline or time.monotonic()) - time.monotonic()
+        tiers = self.preset("tiers") if "tiers" in self.sections else {}
+        if tiers:
+            left -= tiers_allowance_s(speeds, prompt_tokens=tiers["prompt_tokens"], pairs=tiers["pairs"])
+        return max(0.0, left)
 
     def launch_e2e_engine(self) -> None:
         """Start e2e's stacks now: vLLM needs a minute or more before it serves, which the capacity
@@ -396,6 +411,9 @@ def e2e(ctx: Context) -> Section:
             bar.update()
 
         bench.progress = progress
+        bench.say = getattr(ctx.bar, "write", print)  # the sizing's choice and why, above the bars
+        if ctx.deadline is not None:
+            bench.time_left = ctx.replay_time_left
         result = bench.run()
     ctx.e2e_engine = None  # stopped by run()
     return e2e_section(result)
@@ -406,9 +424,12 @@ def e2e_section(result: Any) -> Section:
     from kvshrink.benchmarks import e2e_paired as ep
 
     section = Section(figures={"engine": result.engine, "workload": result.workload, "hot": result.hot,
-                               "restart": result.restart, "replay": result.replay},
+                               "restart": result.restart, "replay": result.replay, "context": result.context},
                       store_config=result.store_config)
     _e2e_hot_rows(section, result)
+    from kvshrink.benchmarks.context_ttft import add_to_section
+
+    add_to_section(section, result.context, result.workload["model"])
     waits = [x.get("neighbour_wait_s", 0.0) for by in result.hot.get("samples", {}).values() for xs in by.values()
              for x in xs] + [x.get("neighbour_wait_s", 0.0) for e in result.replay for xs in e["samples"].values()
                              for x in xs]
@@ -443,9 +464,11 @@ def e2e_section(result: Any) -> Section:
             section.notes.append(f"agent replay at {entry['label']}: stock at its best hits {best['hit_rate']:.1%}, "
                                  f"outside 40-85 %, no target: {detail}")
     if not result.replay:  # --quick
-        section.notes.append("no agent replay in this mode: one that shows anything costs more than its 10 "
-                             "minutes on 2 AVX2 cores (kvshrink bench without --quick runs it)")
+        section.notes.append("no agent replay in this mode: one whose sessions reach 8K tokens and whose intervals "
+                             "can decide costs more than its 10 minutes on either CPU (kvshrink bench without "
+                             "--quick sizes one to its time budget)")
         return section
+    _e2e_trace_notes(section, result.workload)
     section.target("agent replay: at least three budgets where stock at its best hits 40-85 %", len(in_range) >= 3,
                    f"{len(in_range)} of {len(result.replay)} budgets")
     variants = "; ".join(f"{e['label']}: " + ", ".join(f"{k} {f['hit_rate']:.1%} / {f['prefill_s']:.0f} s"
@@ -462,6 +485,22 @@ def e2e_section(result: Any) -> Section:
                                                            for k, f in e["figures"].items())
                              for e in result.replay))
     return section
+
+
+def _e2e_trace_notes(section: Section, workload: dict[str, Any]) -> None:
+    """What the replay's trace was (context lengths, working set) and why it was that size."""
+    c = workload.get("context")
+    if c:
+        section.notes.append(
+            f"agent trace: {workload['requests']} requests in {workload['sessions']} sessions, prompts "
+            f"{c['prompt_tokens_min']}-{c['prompt_tokens_max']} tokens (median {c['prompt_tokens_median']:.0f}), "
+            f"sessions end at {min(c['session_final_positions'])}-{max(c['session_final_positions'])} positions; "
+            f"KV working set {workload['working_set_bytes'] / 2**20:.0f} MiB = "
+            f"{workload['working_set_over_largest_budget']:.2f}x the largest budget")
+    sizing = workload.get("sizing")
+    if sizing:
+        section.notes.append(f"trace sizing: {sizing['why']}")
+        section.notes += [f"trace sizing: WARNING: {w}" for w in sizing["warnings"]]
 
 
 def _e2e_hot_rows(section: Section, result: Any) -> None:

@@ -40,12 +40,11 @@ and a verdict only where the interval clears the target.
 Needs root for the throttle and the namespaces; rows this machine cannot run are skipped with the
 reason. Cold prefills dominate: ~2 minutes each at 4K tokens on 2 AVX2 cores, three of them.
 
-    sudo python -m kvshrink.benchmarks.tier_ttft --out /tmp/tier-ttft
+    sudo python experiments/run_phase.py tiers --out /tmp/tier-ttft   (one phase alone; kvshrink bench --sections tiers)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import shutil
@@ -419,85 +418,6 @@ def _cross_node_interval(row: dict[str, Any], remote: Row, cold_s: float) -> Non
     row.update(ratio={**r, "first_request": ttfts[0] / cold_s}, verdict=verdict(r, CROSS_NODE_TARGET))
 
 
-def report_lines(result: dict[str, Any]) -> list[str]:
-    """The rows as text: one line each, ratio with its interval and verdict, medians of both sides."""
-    lines = [f"TTFT where bytes are the bottleneck: {result['settings']['prompt_tokens']}-token prompt, "
-             f"{result['settings']['pairs']} pairs a row; cold TTFT stock {result['cold_ttft_s']['stock']:.1f} s, "
-             f"ours {result['cold_ttft_s']['ours']:.1f} s"]
-    for row in result["rows"]:
-        r = row["ratio"]
-        med = {k: statistics.median(x["ttft_s"] for x in row[k]) for k in ("stock", "ours")}
-        target = f" (target <= {row['target']})" if row["target"] is not None else ""
-        lines.append(f"  {row['name']}: ours / stock {r['median']:.3f} (95 % {r['low']:.3f}-{r['high']:.3f}){target} "
-                     f"{row['verdict']}; medians stock {med['stock']:.2f} s, ours {med['ours']:.2f} s -- {row['label']}")
-    if "redis_bytes_per_token" in result:
-        b = result["redis_bytes_per_token"]
-        k = {side: result["redis_stored"][side]["keys"] for side in (STOCK, OURS)}
-        lines.append(f"  bytes in Redis per cached token (the prefill's stores: {k[STOCK]} / {k[OURS]} keys): stock "
-                     f"{b[STOCK]:.0f}, ours {b[OURS]:.0f} ({b[OURS] / b[STOCK]:.3f}x)")
-    lines += [f"  note: {n}" for n in result["notes"]]
-    return lines
-
-
-def markdown_table(result: dict[str, Any]) -> str:
-    """README's table of one run: a line per row, medians of both sides and the paired ratio."""
-    s = result["settings"]
-    lines = ["| row | stock LMCache (median) | KVShrink (median) | ours / stock, 95 % | target | verdict |",
-             "|---|---:|---:|---:|---:|---|"]
-    for row in result["rows"]:
-        r, med = row["ratio"], {k: statistics.median(x["ttft_s"] for x in row[k]) for k in ("stock", "ours")}
-        first, second = ("cold on node A", "node B, first request") if row["name"] == "cross-node" else (
-            ("KV in our DRAM", "resumed from SSD") if row["name"].startswith("resume") else ("", ""))
-        target = f"<= {row['target']:g}" if row["target"] is not None else ""
-        lines.append(f"| {row['name']} | {first + ' ' if first else ''}{med['stock']:.2f} s | "
-                     f"{second + ' ' if second else ''}{med['ours']:.2f} s | {r['median']:.3f} ({r['low']:.3f}-"
-                     f"{r['high']:.3f}) | {target} | {row['verdict']} |")
-    if "redis_bytes_per_token" in result:
-        b = result["redis_bytes_per_token"]
-        lines.append(f"| bytes in Redis per cached token | {b[STOCK]:.0f} | {b[OURS]:.0f} | {b[OURS] / b[STOCK]:.3f} | "
-                     "| |")
-    device = {row["name"]: {k: statistics.median(x.get("device_read_bytes", 0) for x in row[k]) for k in ("stock", "ours")}
-              for row in result["rows"] if row["name"] == "ssd, device"}
-    for name, d in device.items():
-        lines.append(f"| {name}: read from the disk per request (the cache servers' own, /proc) | {d['stock'] / 1e6:.1f} MB | "
-                     f"{d['ours'] / 1e6:.1f} MB | {d['ours'] / d['stock']:.3f} | | |")
-    lines.append(f"\n{s['prompt_tokens']}-token prompt, {s['pairs']} pairs a row; cold TTFT stock "
-                 f"{result['cold_ttft_s']['stock']:.1f} s, ours {result['cold_ttft_s']['ours']:.1f} s; this disk read "
-                 f"{result.get('device_read_gbps', float('nan')):.2f} GB/s sequentially in the run.")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from tqdm import tqdm
-
-    from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for tier-ttft.json and the logs")
-    parser.add_argument("--pairs", type=int, default=TierTTFTSettings.pairs)
-    parser.add_argument("--prompt-tokens", type=int, default=TierTTFTSettings.prompt_tokens)
-    parser.add_argument("--store-config", type=Path, default=None, help="our store file (default: the shipped one)")
-    parser.add_argument("--rows", default=",".join(ROW_GROUPS),
-                        help=f"row groups to run, comma-separated (default: all of {','.join(ROW_GROUPS)})")
-    parser.add_argument("--markdown-from", type=Path, default=None, metavar="JSON",
-                        help="do not run: print README's table of an earlier run's tier-ttft.json")
-    args = parser.parse_args(argv)
-    if args.markdown_from is not None:
-        print(markdown_table(json.loads(args.markdown_from.read_text())))
-        return 0
-    out = args.out or Path(tempfile.mkdtemp(prefix="kvshrink-tier-ttft-out-"))
-    out.mkdir(parents=True, exist_ok=True)
-    settings = TierTTFTSettings(prompt_tokens=args.prompt_tokens, pairs=args.pairs,
-                                rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()))
-    with tqdm(desc="tier TTFT", bar_format="{desc}: {elapsed} {postfix}") as bar:
-        bench = TierTTFT(ensure_checkpoint(), settings, args.store_config, out / "logs", bar.set_postfix_str)
-        result = bench.run()
-    (out / "tier-ttft.json").write_text(json.dumps(result, indent=1))
-    print("\n".join(report_lines(result)))
-    print(f"\n{out / 'tier-ttft.json'}")
-    return 0
-
-
 
 def _redis_usage(server: Any) -> tuple[int, int]:
     """``used_memory`` and the number of keys of ``server`` (what the prefill's stores added)."""
@@ -566,7 +486,3 @@ def _device_read_bytes(st: Stack) -> int:
                 if line.startswith("read_bytes:"):
                     total += int(line.split()[1])
     return total
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -86,3 +86,32 @@ def test_error_report_renders_as_errors() -> None:
     assert "FAILED" in text and "[e2e] ServerStartError: vllm exited with 1" in text
     with pytest.raises(report.ReportError):
         report.readme_section(rep)
+
+
+def test_a_report_names_its_store_file_and_says_when_it_is_not_the_shipped_one() -> None:
+    shipped = report.shipped_store_sha256()
+    rep = _report(_rows({"gib": 1}, {"gib": 1}))
+    rep["sections"]["capacity"]["store_config"] = {"path": "configs/store-default.yaml", "sha256": shipped,
+                                                   "default": True}
+    assert report.store_line(rep) == f"our store config: store-default.yaml (sha256 {shipped[:12]}, the shipped default)"
+    rep["sections"]["capacity"]["store_config"]["sha256"] = "0" * 64  # measured on an earlier version of the file
+    line = report.store_line(rep)
+    assert "sha256 000000000000, NOT the shipped default" in line and shipped[:12] in line
+    assert line[1:] in report.readme_section(rep)  # capitalised there
+
+
+def test_a_written_report_holds_no_path_of_the_machine_it_ran_on(tmp_path: Path) -> None:
+    import tempfile
+
+    from kvshrink.benchmarks.suite import portable_paths
+    from kvshrink.configs import default_store_path
+
+    checkout = default_store_path().resolve().parents[1]
+    scratch = Path(tempfile.gettempdir()).resolve() / "kvshrink-capacity-ours-x" / "kvshrink-ssd"
+    got = portable_paths({"store_config": {"path": str(checkout / "configs" / "store-default.yaml")},
+                          "tiers": [{"path": str(scratch)}, {"path": "/dev/shm/kvshrink-bench-x"}],
+                          "out_dir": checkout / "results" / "run", "url": "/metrics", "n": 3})
+    assert got == {"store_config": {"path": "configs/store-default.yaml"},
+                   "tiers": [{"path": "$TMPDIR/kvshrink-capacity-ours-x/kvshrink-ssd"},
+                             {"path": "/dev/shm/kvshrink-bench-x"}],
+                   "out_dir": "results/run", "url": "/metrics", "n": 3}

@@ -51,13 +51,3 @@ def test_the_table_and_readme_render(result: dict) -> None:
                                   "store_config": section.store_config}}}
     assert "TTFT by tier" in report.terminal_table(run)
     assert "ssd, device" in report.readme_section(run)
-
-
-def test_the_markdown_table_has_a_line_per_row_and_the_bytes(result: dict) -> None:
-    from kvshrink.benchmarks.tier_ttft import markdown_table
-
-    table = markdown_table(result)
-    for row in result["rows"]:
-        assert f"| {row['name']} |" in table
-    assert "| bytes in Redis per cached token | 24641 | 16453 | 0.668 |" in table
-    assert "read from the disk per request" in table and "768-token prompt, 2 pairs a row" in table
