@@ -13,8 +13,9 @@ from kvshrink.benchmarks.comparison import Metric, compare
 
 pytestmark = pytest.mark.e2e
 
-# a shared 256-token system prompt: one whole chunk at LMCache's default chunk size, so every stack hits
-TINY_TRACE = dict(sessions=3, turns=2, concurrency=3, system_tokens=256, first_user_tokens=128, tokens_per_turn=64,
+# ~0.3-0.5K-token prompts in 128-token chunks (the harness's default is LMCache's 256): 7 distinct
+# chunks, so a budget of half of them holds a few chunks on every stack and the test stays short
+TINY_TRACE = dict(sessions=3, turns=2, concurrency=3, system_tokens=128, first_user_tokens=128, tokens_per_turn=64,
                   output_tokens=16, agents=1, seed=0)
 
 
@@ -22,6 +23,7 @@ def test_three_stacks_serve_each_phase_from_where_it_claims(tmp_path) -> None:
     from kvshrink.testing.fixtures.smollm2 import ensure_checkpoint
 
     settings = ep.PairedSettings(hot_prompt_tokens=512, hot_pairs=2, trace=TINY_TRACE, fractions=(0.5,),
+                                 chunk_tokens=128,
                                  context_lengths=())  # TTFT by context length: test_context_ttft.py
     result = ep.PairedBench(ensure_checkpoint(), settings, log_dir=tmp_path).run()
 
