@@ -152,11 +152,12 @@ class WritePath:
                 self.ledger.end(unnamed_victims)
                 if demoted_first.copied:  # also when the write failed or was doomed: it evicted nothing then
                     self._settle_planned(index, demoted_first.copied, victims)
-            if promoted_from is not None:
-                self._after_promotion(promoted_from, key, move)
+            if promoted_from is not None and not self._after_promotion(index, promoted_from, key, move):
+                outcome.landed = False
+                outcome.drop_candidates.append(key)
             if supersede:
                 self._retire_older_copies(key, index)
-        self._announce(index, key, victims)
+        self._announce(index, key if outcome.landed else None, victims)
         if last:
             outcome.drop_candidates += [v.key for v in victims]
             return outcome
@@ -167,16 +168,18 @@ class WritePath:
         outcome.drop_candidates += self.demote(index, unplanned).drop_candidates
         return outcome
 
-    def _announce(self, index: int, key: bytes, victims: list[Victim]) -> None:
+    def _announce(self, index: int, key: bytes | None, victims: list[Victim]) -> None:
         """Tell the listeners and the first tier's watchers that ``key`` went into tier ``index``
-        and ``victims`` left it."""
-        self.drops.stored(key)
-        self.placements.notify([key, *(v.key for v in victims)])
+        (None: nothing stayed there) and ``victims`` left it."""
+        stored = [] if key is None else [key]
+        if key is not None:
+            self.drops.stored(key)
+        self.placements.notify([*stored, *(v.key for v in victims)])
         if index == 0:
             if self.prefetch is not None:
                 self.prefetch.evicted([v.key for v in victims])
             if self.idle is not None:
-                self.idle.touch([key])
+                self.idle.touch(stored)
 
     def _settle_planned(self, index: int, copied: list[bytes], victims: list[Victim]) -> None:
         """Count the demotions of the planned victims of tier ``index`` that the write evicted,
@@ -236,12 +239,21 @@ class WritePath:
                         self.ledger.note_moved()
                     self.tiers.tiers[t].delete(key)  # also when not indexed: an SSD rescan must not adopt it
 
-    def _after_promotion(self, source: int, key: bytes, move: Move | None) -> None:
-        """A promotion of ``key`` out of tier ``source`` landed: an exclusive source lets go of
-        its copy (now that the faster tier holds it durably, so the chunk is always in one tier);
-        a remote write-back source is known to hold the current value."""
+    def _after_promotion(self, index: int, source: int, key: bytes, move: Move | None) -> bool:
+        """A promotion of ``key`` out of tier ``source`` landed in tier ``index``: an exclusive
+        source lets go of its copy (now that the faster tier holds it durably, so the chunk is
+        always in one tier); a remote write-back source is known to hold the current value.
+
+        False when a local source lost the key while it was copied (evicted or quarantined
+        there: the chunk left the store, and a read in between missed it). The copy just written
+        is taken back: a promotion must not resurrect a dropped chunk, or the drop's notice is
+        never sent (the key is held again when it is checked) while that read missed. The
+        caller reports the key as a drop candidate."""
         if move is not None and move.doomed:
-            return
+            return True
+        if source in self.tiers.local and not self.tiers.tiers[source].contains(key):
+            self.tiers.tiers[index].delete(key)
+            return False
         if source in self.tiers.exclusive:
             self.ledger.note_moved()  # before the copy goes: a read that missed both looks again
             if source in self.tiers.remote:
@@ -250,6 +262,7 @@ class WritePath:
                 self.tiers.tiers[source].delete(key)
         elif source in self.tiers.remote:
             self.ledger.landed(source, key, move)
+        return True
 
     def capture(self, index: int, keys: list[bytes]) -> list[Captured]:
         """The frames of planned victims ``keys`` of tier ``index``, each under a registered move

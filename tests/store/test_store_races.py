@@ -20,6 +20,9 @@ the code before the fix.
 * The DRAM tier's usage is a running total that always equals what it holds.
 * A delete while a write-back is writing the key into the SSD: the copy landed after the delete
   and the key came back (tiered.py, ``delete``; seen once in CI as a lookup hit after delete).
+* A promotion whose exclusive source evicts the chunk while it is copied up: it brought the
+  chunk back after a read had missed it, and the drop was never reported (write_path.py,
+  ``_after_promotion``; seen once in CI as a fault-fuzz miss with no drop notice).
 """
 
 from __future__ import annotations
@@ -230,6 +233,39 @@ def test_a_delete_during_a_write_back_leaves_no_copy(tmp_path, shm_name, small_c
         assert store.put(b"other", small_chunks[1]).result(timeout=WAIT_S) is True  # the store goes on
         store.flush(timeout=WAIT_S)
         assert ssd.contains(b"other")
+
+
+def test_a_promotion_whose_source_evicts_the_chunk_meanwhile_does_not_bring_it_back(tmp_path, shm_name,
+                                                                                     small_chunks, monkeypatch):
+    """A read hit on the exclusive SSD queues a promotion; the promotion checked that the SSD
+    holds the chunk and is about to write DRAM when the SSD evicts it (the last tier's writes take
+    no write lock: a demotion into it runs meanwhile). Before the fix the promotion wrote the chunk
+    into DRAM all the same: a read in between missed it, and the drop was never reported (the key
+    was held again when the evictor checked). Seen in CI as a fault-fuzz miss with no notice."""
+    config = dram_ssd(tmp_path, shm_name, dram_chunks=2)
+    config["promote_on_hit"] = True
+    with TieredStore.from_config(config) as store:
+        dropped: list[bytes] = []
+        store.add_drop_listener(dropped.extend)
+        for key, data in [(KEY, small_chunks[0]), (b"a", small_chunks[1]), (b"b", small_chunks[2])]:
+            assert store.put(key, data).result(timeout=WAIT_S) is True
+        store.flush(timeout=WAIT_S)
+        assert store.where(KEY) == "ssd"
+        dram, ssd = store.tiers
+        pause = PauseOnce(dram, "write_frame", lambda args, result: args[0] == KEY, before=True)
+        pause.thread = None  # the promotion's worker
+        monkeypatch.setattr(dram, "write_frame", pause)
+        assert np.array_equal(store.get(KEY), small_chunks[0])  # the hit queues the promotion
+        assert pause.reached.wait(WAIT_S), "the promotion never reached its DRAM write"
+        ssd.delete(KEY)  # what the SSD's eviction of the chunk does to it (the evictor reports later)
+        pause.release.set()
+        store.flush(timeout=WAIT_S)
+        assert store.where(KEY) is None and store.get(KEY) is None, \
+            "the promotion brought back a chunk its source had dropped"
+        assert KEY in dropped, "the chunk left the store and no drop notice said so"
+        assert not set(store.keys("dram")) & set(store.keys("ssd"))  # the victim the copy evicted: one tier
+        for key, data in [(b"a", small_chunks[1]), (b"b", small_chunks[2])]:
+            assert np.array_equal(store.get(key), data), key
 
 
 def test_a_planned_victim_pinned_before_its_eviction_stays_in_one_tier(tmp_path, shm_name, small_chunks):
