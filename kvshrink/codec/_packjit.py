@@ -101,6 +101,57 @@ def _byte_index(bit):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _escape_positions(codes64, groups, m, pattern, positions):
+    """Write into ``positions`` the indices below ``m`` of the chunk's codes (``codes64``, uint64
+    words of 8 codes) equal to the escape (``pattern`` = escape * _LSB), in order, visiting only
+    the 64-code groups ``_mark_escapes`` flagged; returns how many. A code past ``m`` is padding
+    (hostile planes may set it): skipped."""
+    count = 0
+    for g in range(groups.size):
+        if not groups[g]:
+            continue
+        for j in range(8 * g, 8 * g + 8):
+            hit = _escapes(codes64[j], pattern)
+            while hit:
+                bit = hit & (~hit + _ONE)  # lowest escape of the word
+                hit ^= bit
+                i = 8 * j + _byte_index(bit)
+                if i < m:
+                    positions[count] = i
+                    count += 1
+    return count
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _split_codes(s, rotate, base, esc, lo, codes):
+    """For 2-byte elements ``s`` (rotated left by one bit first if ``rotate``): their low bytes
+    into ``lo``, and their high bytes as codes ``min((high - base) mod 256, esc)`` into ``codes``.
+    One loop per case, no reduction in it: each vectorises."""
+    if rotate:
+        for i in range(s.size):
+            a = np.uint16((s[i] << 1) | (s[i] >> 15))
+            lo[i] = np.uint8(a & 0xFF)
+            codes[i] = min(np.uint8(np.uint8(a >> 8) - base), esc)
+    else:
+        for i in range(s.size):
+            lo[i] = np.uint8(s[i] & 0xFF)
+            codes[i] = min(np.uint8(np.uint8(s[i] >> 8) - base), esc)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _merge_codes(codes, base, lo, dst, rotate):
+    """``dst[i]``: the 2-byte element of high byte ``codes[i] + base`` and low byte ``lo[i]``
+    (rotated back if ``rotate``); an escape's element is patched afterwards. A loop per case: each
+    vectorises."""
+    if rotate:
+        for i in range(codes.size):
+            dst[i] = _word(np.uint8(codes[i] + base), lo[i], True)
+    else:
+        for i in range(codes.size):
+            dst[i] = _word(np.uint8(codes[i] + base), lo[i], False)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _word(high, low, rotate):
     """The 2-byte element whose (rotated, if ``rotate``) high and low bytes are given."""
     h = np.uint16(high)
@@ -118,6 +169,7 @@ def decode(planes, w, base, exc, low, out, rotate):
     fused = low.size > 0
     pattern = np.uint64((1 << w) - 1) * _LSB
     codes64, groups = np.empty(CHUNK // 8, np.uint64), np.empty(CHUNK // 64, np.bool_)
+    positions = np.empty(CHUNK, np.int64)  # of the escapes in a chunk
     codes = codes64.view(np.uint8)
     ei = 0
     pos = 0
@@ -130,33 +182,19 @@ def decode(planes, w, base, exc, low, out, rotate):
         c8 = codes[:m]
         dst = out[start:start + m]
         if fused:
-            lo = low[start:start + m]
-            if rotate:
-                for i in range(m):
-                    dst[i] = _word(np.uint8(c8[i] + base), lo[i], True)
-            else:
-                for i in range(m):
-                    dst[i] = _word(np.uint8(c8[i] + base), lo[i], False)
+            _merge_codes(c8, base, low[start:start + m], dst, rotate)
         else:
             for i in range(m):
                 dst[i] = np.uint8(c8[i] + base)
         if w == 0 or not _mark_escapes(codes, np.uint8((1 << w) - 1), groups[:k]):
             continue
-        for g in range(k):
-            if not groups[g]:
-                continue
-            for j in range(8 * g, 8 * g + 8):
-                hit = _escapes(c64[j], pattern)
-                while hit:
-                    bit = hit & (~hit + _ONE)  # lowest escape of the word
-                    hit ^= bit
-                    i = 8 * j + _byte_index(bit)
-                    if i >= m:  # a padding code (hostile planes): nothing to write
-                        continue
-                    if ei >= exc.size:
-                        return ERR_EXCEPTIONS
-                    dst[i] = _word(exc[ei], low[start + i], rotate) if fused else exc[ei]
-                    ei += 1
+        count = _escape_positions(c64, groups[:k], m, pattern, positions)
+        if ei + count > exc.size:
+            return ERR_EXCEPTIONS
+        for e in range(count):
+            i = positions[e]
+            dst[i] = _word(exc[ei], low[start + i], rotate) if fused else exc[ei]
+            ei += 1
     return 0 if ei == exc.size else ERR_COUNT
 
 
@@ -171,6 +209,7 @@ def encode(src, rotate, w, base, planes, exc, low):
     b8 = np.uint8(base)
     pattern = np.uint64(esc) * _LSB
     codes64, groups = np.empty(CHUNK // 8, np.uint64), np.empty(CHUNK // 64, np.bool_)
+    positions = np.empty(CHUNK, np.int64)  # of the escapes in a chunk
     codes = codes64.view(np.uint8)
     ne = 0
     pos = 0
@@ -179,17 +218,8 @@ def encode(src, rotate, w, base, planes, exc, low):
         k = (m + 63) // 64
         c8 = codes[:m]
         s = src[start:start + m]
-        if words:  # one loop per case, no reduction in it: each vectorises
-            lo = low[start:start + m]
-            if rotate:
-                for i in range(m):
-                    a = np.uint16((s[i] << 1) | (s[i] >> 15))
-                    lo[i] = np.uint8(a & 0xFF)
-                    c8[i] = min(np.uint8(np.uint8(a >> 8) - b8), esc)
-            else:
-                for i in range(m):
-                    lo[i] = np.uint8(s[i] & 0xFF)
-                    c8[i] = min(np.uint8(np.uint8(s[i] >> 8) - b8), esc)
+        if words:
+            _split_codes(s, rotate, b8, esc, low[start:start + m], c8)
         else:
             for i in range(m):
                 c8[i] = min(np.uint8(s[i] - b8), esc)
@@ -202,21 +232,12 @@ def encode(src, rotate, w, base, planes, exc, low):
             if any_code:
                 return -1
         elif _mark_escapes(codes, esc, groups[:k]):
-            for g in range(k):
-                if not groups[g]:
-                    continue
-                for j in range(8 * g, 8 * g + 8):
-                    hit = _escapes(c64[j], pattern)
-                    while hit:
-                        bit = hit & (~hit + _ONE)
-                        hit ^= bit
-                        i = 8 * j + _byte_index(bit)
-                        if i < m:
-                            a = np.uint32(s[i])
-                            if words and rotate:
-                                a = ((a << 1) | (a >> 15)) & 0xFFFF
-                            exc[ne] = np.uint8(a >> 8) if words else np.uint8(a)
-                            ne += 1
+            for e in range(_escape_positions(c64, groups[:k], m, pattern, positions)):
+                a = np.uint32(s[positions[e]])
+                if words and rotate:
+                    a = ((a << 1) | (a >> 15)) & 0xFFFF
+                exc[ne] = np.uint8(a >> 8) if words else np.uint8(a)
+                ne += 1
         _planes_from_codes(codes64[:8 * k], w, planes[pos:pos + w * k])
         pos += w * k
     return ne

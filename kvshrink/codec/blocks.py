@@ -25,9 +25,9 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from kvshrink.codec import backends, byteplanes, packed
+from kvshrink.codec import backends, byteplanes, nibbles, packed
 from kvshrink.codec.errors import CodecError
-from kvshrink.codec.frame import PACKED, STORED, FrameHeader, StreamTable, block_bounds, stream_length
+from kvshrink.codec.frame import NIBBLE, PACKED, STORED, FrameHeader, StreamTable, block_bounds, stream_length
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,10 @@ def encode_block(rows: np.ndarray, plan: EncodePlan) -> EncodedBlock:
     checksum = xxhash.xxh3_64_intdigest(rows)
     if plan.method == "fast":
         return _encode_fast(rows, plan, checksum)
+    if plan.method == "zstd" and plan.nstreams == 2 and plan.attempt == (True, False) and rows.shape[1] == 2:
+        block = _encode_nibbles(rows, plan, checksum)
+        if block is not None:
+            return block
     streams = byteplanes.split(rows, plan.rotate, plan.nstreams)
     coding, compress = backends.compressor_for(plan.method, plan.level, plan.hash_log)
     codings, payloads = [], []
@@ -74,6 +78,25 @@ def encode_block(rows: np.ndarray, plan: EncodePlan) -> EncodedBlock:
         codings.append(STORED)
         payloads.append(stream)
     return EncodedBlock(checksum, codings, payloads)
+
+
+def _encode_nibbles(rows: np.ndarray, plan: EncodePlan, checksum: int) -> EncodedBlock | None:
+    """2-byte elements whose high stream alone is worth compressing: the high bytes nibble-coded
+    (one fused pass splits the words and codes them; zstd then sees half the symbols), the low
+    bytes stored. None when the block's high bytes do not suit the coding (plain zstd then)."""
+    block = EncodedBlock(checksum, [], [])
+
+    def alloc(n: int) -> np.ndarray:
+        buf = _scratch.take(n)
+        block.scratch.append(buf)
+        return buf
+
+    coded = nibbles.encode_words(rows.reshape(-1).view("<u2"), plan.rotate, plan.level, plan.hash_log, alloc)
+    if coded is None:
+        block.release()
+        return None
+    block.codings, block.payloads = [NIBBLE, STORED], list(coded)
+    return block
 
 
 def _encode_fast(rows: np.ndarray, plan: EncodePlan, checksum: int) -> EncodedBlock:
@@ -142,6 +165,16 @@ def decode_block(blob: memoryview, header: FrameHeader, table: StreamTable, bloc
         (high, low), (h_len, l_len) = table.offsets[block].tolist(), table.sizes[block].tolist()
         packed.decode_words(blob[high:high + h_len], np.frombuffer(blob[low:low + l_len], dtype=np.uint8),
                             rows.reshape(-1).view("<u2"), header.transform == "rotl1")
+        _verify(rows, table, block, header)
+        return
+    if codings == [NIBBLE, STORED]:  # validated: 2-byte elements; fused straight into the caller's words
+        (high, low), (h_len, l_len) = table.offsets[block].tolist(), table.sizes[block].tolist()
+        scratch = _scratch.take((rows.shape[0] + 1) // 2)
+        try:
+            nibbles.decode_words(blob[high:high + h_len], np.frombuffer(blob[low:low + l_len], dtype=np.uint8),
+                                 rows.reshape(-1).view("<u2"), header.transform == "rotl1", scratch)
+        finally:
+            _scratch.give(scratch)
         _verify(rows, table, block, header)
         return
     start, stop = block_bounds(header, block)

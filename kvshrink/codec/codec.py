@@ -57,7 +57,8 @@ class Codec:
     * ``block_size``: bytes of input per independent block (parallelism and checksum granularity);
     * ``threads``: most busy threads per call, the caller included (None: the process budget's
       limit, looked up per call); a call gets fewer when the budget is taken by other calls;
-    * ``hash_log``: zstd match-finder table size for compressed streams (None: zstd's default);
+    * ``hash_log``: zstd match-finder table size for plain zstd streams (None: zstd's default;
+      nibble-coded exponent streams always use zstd's default: matches there are worth their bits);
     * ``min_saving``: a stream whose sampled order-0 entropy promises a smaller saving is stored;
     * ``transform``: "auto" (rotl1 when a sample says it helps), "none" or "rotl1";
     * ``max_frame_bytes``: decode refuses frames claiming more decoded bytes than this;

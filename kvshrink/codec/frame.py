@@ -1,13 +1,15 @@
 """The self-describing frame: layout, writing, and strict validation on reading.
 
-Frame format versions 1 and 2 (all integers little-endian); version 2 is written only by the
-``fast`` method, whose packed streams a version-1 reader does not know (it then says the frame
-was written by a newer kvshrink); every other frame is still written as version 1::
+Frame format versions 1 to 3 (all integers little-endian); each frame is written as the oldest
+version that can hold it, so an older reader says a frame it cannot read was written by a newer
+kvshrink: version 2 for the ``fast`` method (packed streams), version 3 for a zstd frame with a
+nibble-coded stream (:mod:`kvshrink.codec.nibbles`), version 1 for every other frame::
 
     offset  size  field
     0       4     magic b"KVSZ"
     4       1     format version (1; 2 for fast frames)
-    5       1     method: 0 raw, 1 zstd, 2 qat, 3 fast (version 2 only; each stream names its coding)
+    5       1     method: 0 raw, 1 zstd (versions 1, 3), 2 qat, 3 fast (version 2 only); each stream
+                         names its coding
     6       1     container: 0 numpy, 1 torch
     7       1     transform: 0 none, 1 rotl1 (each element rotated left by one bit before the split)
     8       1     element width w in bytes (1..16)
@@ -20,7 +22,9 @@ was written by a newer kvshrink); every other frame is still written as version 
     ..      8*ndim       shape
     ..      8*nblocks    xxh3-64 of each block's raw (decoded) bytes
     ..      nblocks*s    stream coding: 0 stored, 1 zstd frame, 2 gzip members (deflate),
-                         3 packed (fixed-width codes + exceptions, :mod:`kvshrink.codec.packed`)
+                         3 packed (fixed-width codes + exceptions, :mod:`kvshrink.codec.packed`),
+                         4 nibble (4-bit codes, zstd, exceptions; version 3, the high stream of a
+                         2-byte element whose low stream is stored)
     ..      4*nblocks*s  stream payload sizes
     ..      8     xxh3-64 of every header byte above
     payload: the streams, block by block; within a block, most significant byte first
@@ -44,13 +48,14 @@ from kvshrink.codec.dtypes import CONTAINERS, ArrayKind, dtype_width
 from kvshrink.codec.errors import CodecError
 
 MAGIC = b"KVSZ"
-FORMAT_VERSION = 2  # the newest version this reader knows
-FAST_VERSION = 2  # fast frames; every other method writes version 1, which older readers know
+FORMAT_VERSION = 3  # the newest version this reader knows
+FAST_VERSION = 2  # fast frames
+NIBBLE_VERSION = 3  # zstd frames with a nibble-coded stream; every other frame is version 1
 METHODS = ("raw", "zstd", "qat", "fast")
 TRANSFORMS = ("none", "rotl1")
 
-STORED, ZSTD, GZIP, PACKED = 0, 1, 2, 3
-CODINGS = {"raw": frozenset({STORED}), "zstd": frozenset({STORED, ZSTD}), "qat": frozenset({STORED, GZIP}),
+STORED, ZSTD, GZIP, PACKED, NIBBLE = 0, 1, 2, 3, 4
+CODINGS = {"raw": frozenset({STORED}), "zstd": frozenset({STORED, ZSTD, NIBBLE}), "qat": frozenset({STORED, GZIP}),
            "fast": frozenset({STORED, PACKED})}
 _ALLOWED = {m: np.isin(np.arange(256), sorted(c)) for m, c in CODINGS.items()}  # coding byte -> allowed?
 
@@ -114,7 +119,7 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
                 checksums: list[int], codings: list[list[int]], sizes: list[list[int]]) -> bytes:
     """Header bytes (up to and including the header checksum) for blocks already encoded."""
     name = kind.dtype.encode("ascii")
-    fixed = _FIXED.pack(MAGIC, version_for(method), METHODS.index(method), CONTAINERS.index(kind.container),
+    fixed = _FIXED.pack(MAGIC, version_for(method, codings), METHODS.index(method), CONTAINERS.index(kind.container),
                         TRANSFORMS.index(transform), kind.itemsize, streams_per_block, len(kind.shape),
                         len(name), block_elems, 0)
     parts = [fixed, name,
@@ -126,9 +131,13 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def version_for(method: str) -> int:
-    """The format version a frame of ``method`` is written as: the oldest that can hold it."""
-    return FAST_VERSION if method == "fast" else 1
+def version_for(method: str, codings: list[list[int]] | None = None) -> int:
+    """The format version a frame of ``method`` whose streams have ``codings`` is written as:
+    the oldest that can hold it."""
+    if method == "fast":
+        return FAST_VERSION
+    nibble = method == "zstd" and codings is not None and any(NIBBLE in row for row in codings)
+    return NIBBLE_VERSION if nibble else 1
 
 
 def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tuple[FrameHeader, StreamTable]:
@@ -146,8 +155,9 @@ def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTE
         newer = " (written by a newer kvshrink; upgrade to read it)" if version > FORMAT_VERSION else ""
         raise CodecError(f"unsupported frame format version {version}{newer}; this reader knows 1..{FORMAT_VERSION}")
     _check(method_id < len(METHODS), f"unknown method id {method_id}")
-    _check(version == version_for(METHODS[method_id]),
-           f"a {METHODS[method_id]} frame must be format version {version_for(METHODS[method_id])}, not {version}")
+    allowed = (1, NIBBLE_VERSION) if METHODS[method_id] == "zstd" else (version_for(METHODS[method_id]),)
+    _check(version in allowed, f"a {METHODS[method_id]} frame must be format version "
+                               f"{' or '.join(map(str, allowed))}, not {version}")
     _check(container_id < len(CONTAINERS), f"unknown container id {container_id}")
     _check(transform_id < len(TRANSFORMS), f"unknown transform id {transform_id}")
     _check(reserved == 0, "reserved header field is not zero")
@@ -188,7 +198,7 @@ def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTE
     sizes = sizes.reshape(nblocks, streams)
     header_size = end + 8
     method = METHODS[method_id]
-    _validate_streams(method, codings, sizes, elements, block_elems, width // streams)
+    _validate_streams(method, version, codings, sizes, elements, block_elems, width)
     payload = int(sizes.sum())
     if header_size + payload != n:
         what = "truncated" if header_size + payload > n else "has trailing bytes"
@@ -210,13 +220,20 @@ def stream_length(header: FrameHeader, elements: int) -> int:
     return elements * (header.itemsize // header.streams_per_block)
 
 
-def _validate_streams(method: str, codings: np.ndarray, sizes: np.ndarray, elements: int, block_elems: int,
-                      stream_width: int) -> None:
-    """Codings allowed for the method; stored streams exactly as long as their decoded bytes."""
+def _validate_streams(method: str, version: int, codings: np.ndarray, sizes: np.ndarray, elements: int,
+                      block_elems: int, width: int) -> None:
+    """Codings allowed for the method (a nibble-coded stream only where the format puts it);
+    stored streams exactly as long as their decoded bytes."""
     if not codings.size:
         return
     if not _ALLOWED[method][codings].all():
         raise CodecError(f"a stream coding not allowed in a {method} frame: {sorted(set(codings.ravel().tolist()))}")
+    if (codings == NIBBLE).any():
+        _check(version == NIBBLE_VERSION, f"a nibble-coded stream in a format version {version} frame")
+        _check(width == 2 and codings.shape[1] == 2 and not (codings[:, 1] == NIBBLE).any()
+               and bool((codings[codings[:, 0] == NIBBLE, 1] == STORED).all()),
+               "a nibble-coded stream must be the high stream of a 2-byte element whose low stream is stored")
+    stream_width = width // codings.shape[1]
     stored = codings == STORED
     full = block_elems * stream_width
     last = (elements - block_elems * (codings.shape[0] - 1)) * stream_width

@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
-from kvshrink.codec import Codec, decode, encode, read_header
+from kvshrink.codec import Codec, CodecError, decode, encode, read_header
+from kvshrink.codec.dtypes import ArrayKind
+from kvshrink.codec.frame import pack_header, parse_header
 
 
 def raw_bytes(x: Any) -> bytes:
@@ -65,3 +68,36 @@ def check_roundtrip(x: Any, codec: Codec | None = None, method: str = "zstd", le
     assert isinstance(as_np, np.ndarray)
     assert as_np.tobytes() == before
     return blob
+
+
+def rebuild(blob: bytes, block: int, stream: int, payload: bytes, codings: list[list[int]] | None = None) -> bytes:
+    """``blob`` with one stream's payload replaced (and its codings, when given), header (sizes,
+    checksum) rewritten to match."""
+    h, table = parse_header(memoryview(blob))
+    kind = ArrayKind(h.container, h.dtype, h.shape, h.itemsize)
+    payloads = [[bytes(blob[o:o + s]) for o, s in zip(offs, sizes)]
+                for offs, sizes in zip(table.offsets.tolist(), table.sizes.tolist())]
+    payloads[block][stream] = payload
+    header = pack_header(kind, h.method, h.transform, h.streams_per_block, h.block_elems, table.checksums.tolist(),
+                         table.codings.tolist() if codings is None else codings,
+                         [[len(p) for p in row] for row in payloads])
+    return header + b"".join(p for row in payloads for p in row)
+
+
+def check_truncations_and_flips(blob: bytes) -> None:
+    """Every truncation of ``blob`` raises CodecError; every single-byte flip (xor 0x5A) raises
+    it or decodes to exactly the original (a bit no decoder reads, e.g. padding), never inside
+    the header."""
+    original = decode(blob)
+    for cut in range(len(blob)):
+        with pytest.raises(CodecError):
+            decode(blob[:cut])
+    header_size = read_header(blob).header_size
+    for i in range(len(blob)):
+        damaged = bytearray(blob)
+        damaged[i] ^= 0x5A
+        try:
+            got = decode(damaged)
+        except CodecError:
+            continue
+        assert got.tobytes() == original.tobytes() and i >= header_size, i

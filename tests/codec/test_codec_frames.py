@@ -26,6 +26,7 @@ def test_manifest_matches_this_format_version():
 def test_the_pinned_set_covers_every_method_and_container():
     frames = MANIFEST["frames"].values()
     assert {f["method"] for f in frames} == {"zstd", "qat", "raw", "fast"}
+    assert {f["format_version"] for f in frames} == {1, 2, 3}
     assert {f["container"] for f in frames} == {"numpy", "torch"}
     assert {f["transform"] for f in frames} == {"none", "rotl1"}
     assert any(f["nblocks"] > 1 for f in frames) and any(f["raw_size"] == 0 for f in frames)
@@ -41,7 +42,7 @@ def test_stored_frame_decodes_to_stored_array(name):
     for key in ("container", "dtype", "method", "transform", "nblocks", "raw_size", "frame_size"):
         assert getattr(header, key) == meta[key], key
     assert list(header.shape) == meta["shape"]
-    assert header.format_version == (2 if meta["method"] == "fast" else 1)  # version 1 frames stay version 1
+    assert header.format_version == meta["format_version"]  # a frame's version is what it was written as
 
     got = decode(blob)
     if meta["container"] == "torch":

@@ -23,7 +23,7 @@ from kvshrink.errors import CorruptDataError
 
 @pytest.fixture(scope="module")
 def frame(real_chunks) -> bytes:
-    """A small multi-block frame with zstd and stored streams."""
+    """A small multi-block frame with nibble-coded (zstd inside) and stored streams."""
     kv = np.ascontiguousarray(real_chunks[0][:, :2, :16])
     with Codec(block_size=2048, threads=1) as codec:
         return codec.encode(kv)
@@ -114,7 +114,8 @@ def test_not_bytes_like():
 
 
 def test_future_and_zero_version(frame):
-    for version, match in ((3, "newer"), (255, "newer"), (0, "version 0"), (2, "must be format version 1")):
+    for version, match in ((4, "newer"), (255, "newer"), (0, "version 0"), (2, "must be format version 1 or 3"),
+                           (1, "nibble-coded stream in a format version 1 frame")):
         with pytest.raises(CodecError, match=match):
             decode(reseal(frame, 4, bytes([version])))
 

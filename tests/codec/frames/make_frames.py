@@ -42,6 +42,9 @@ def examples() -> dict[str, tuple[object, dict]]:
         # format version 2: the fast method's packed streams (fused 2-byte path, and the per-stream path)
         "kv_bf16_fast": (kv, {"method": "fast", "block_size": 4096}),
         "kv_f32_fast": (_bf16_to_f32(kv[:, :1]), {"method": "fast", "block_size": 8192}),
+        # format version 3: zstd frames whose exponent streams are nibble-coded (2-byte elements)
+        "kv_bf16_dense": (kv, {"method": "zstd", "block_size": 4096}),
+        "kv_bf16_dense_torch": (torch.from_numpy(kv.copy()).view(torch.bfloat16), {"method": "zstd"}),
     }
 
 
@@ -68,7 +71,8 @@ def main(rewrite: bool = False) -> None:
                 path.write_bytes(codec.encode(x))
             np.save(HERE / f"{name}.npy", raw_bits(x))
         h = read_header(path.read_bytes())
-        manifest["frames"][name] = {"container": h.container, "dtype": h.dtype, "shape": list(h.shape),
+        manifest["frames"][name] = {"format_version": h.format_version, "container": h.container, "dtype": h.dtype,
+                                    "shape": list(h.shape),
                                     "method": h.method, "transform": h.transform, "nblocks": h.nblocks,
                                     "raw_size": h.raw_size, "frame_size": h.frame_size}
     (HERE / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
