@@ -26,11 +26,12 @@ ERR_COUNT = -2  # fewer escape codes than exception bytes
 
 
 @numba.njit(nogil=True, cache=True)
-def encode(words, rotate, base, pairs, exc, low):
-    """Code the high bytes of ``words`` (uint16[n], rotated left by one bit first if ``rotate``)
-    into ``pairs`` (uint8[ceil(n/2)]) and ``exc`` (uint8[n]); their low bytes into ``low``
-    (uint8[n]). Returns the number of exception bytes."""
-    n = words.size
+def encode(src, rotate, base, pairs, exc, low):
+    """Code ``src`` into ``pairs`` (uint8[ceil(n/2)]) and ``exc`` (uint8[n]): the high bytes of
+    uint16[n] words (rotated left by one bit first if ``rotate``), whose low bytes go to ``low``
+    (uint8[n]), or uint8[n] bytes as they are (``low`` empty). Returns the number of exception bytes."""
+    n = src.size
+    words = low.size > 0
     b8 = np.uint8(base)
     esc = np.uint8(ESCAPE)
     pattern = np.uint64(ESCAPE) * _LSB
@@ -41,9 +42,13 @@ def encode(words, rotate, base, pairs, exc, low):
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
         k = (m + 63) // 64
-        s = words[start:start + m]
+        s = src[start:start + m]
         c8 = codes[:m]
-        _split_codes(s, rotate, b8, esc, low[start:start + m], c8)
+        if words:
+            _split_codes(s, rotate, b8, esc, low[start:start + m], c8)
+        else:
+            for i in range(m):
+                c8[i] = min(np.uint8(s[i] - b8), esc)
         codes[m:64 * k] = 0
         half = (m + 1) // 2
         p = pairs[start // 2:start // 2 + half]
@@ -54,9 +59,12 @@ def encode(words, rotate, base, pairs, exc, low):
         if not _mark_escapes(codes, esc, groups[:k]):
             continue
         for e in range(_escape_positions(codes64, groups[:k], m, pattern, positions)):
-            v = s[positions[e]]
-            a = np.uint16((v << 1) | (v >> 15)) if rotate else v
-            exc[ne] = np.uint8(a >> 8)
+            a = np.uint32(s[positions[e]])
+            if words:
+                if rotate:
+                    a = ((a << 1) | (a >> 15)) & 0xFFFF
+                a >>= 8
+            exc[ne] = np.uint8(a)
             ne += 1
     return ne
 

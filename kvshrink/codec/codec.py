@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, packed
+from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, packed, transcode
 from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, encode_fast_words, fast_words_apply
 from kvshrink.codec.cpu_budget import CpuBudget
 from kvshrink.codec.cpu_budget import budget as _process_budget
@@ -126,8 +126,35 @@ class Codec:
         else:
             blocks = self.budget.run(nblocks, lambda b: encode_block(rows[b * block_elems:(b + 1) * block_elems], plan),
                                   threads, parallel)
+        return self._write_frame(kind, method, "rotl1" if rotate else "none", nstreams, block_elems, blocks, into,
+                                 len(groups), threads, parallel)
+
+    def transcode(self, blob: Any, *, method: str, level: int | None = None) -> Any:
+        """``blob``'s array as a frame of ``method`` (``blob`` itself if it is one already). A
+        ``fast`` frame of 2-byte elements becomes a ``zstd`` frame without decoding the chunk
+        (:mod:`kvshrink.codec.transcode`: a demotion from a fast tier to a dense one); any other
+        pair is decoded and encoded. CodecError if ``blob`` is corrupt where it is read."""
+        method = _check_method(method)
+        level = self.level if level is None else _check_level(method, level)
+        view = _as_bytes_view(blob)
+        header, table = parse_header(view, self.max_frame_bytes)
+        if header.method == method:
+            return blob
+        if not transcode.fast_to_dense_applies(header, table, method):
+            return self.encode(self.decode(view), method=method, level=level)
+        threads, parallel = self.threads, _parallel(header.nblocks, header.raw_size)
+        blocks = self.budget.run(header.nblocks,
+                                 lambda b: transcode.dense_block(view, header, table, b, level, self.hash_log),
+                                 threads, parallel)
+        return self._write_frame(header.kind, method, header.transform, 2, header.block_elems, blocks, None,
+                                 len(_groups(header.nblocks, threads if parallel else 1)), threads, parallel)
+
+    def _write_frame(self, kind: dtypes.ArrayKind, method: str, transform: str, nstreams: int, block_elems: int,
+                     blocks: list, into: Callable[[int], Any] | None, groups: int, threads: int, parallel: bool) -> Any:
+        """The frame of encoded ``blocks`` (header, then payloads, copied in ``groups`` on the budget)
+        as new ``bytes``, or into ``into(size)``; the blocks' pooled buffers are released."""
         sizes = [[memoryview(p).nbytes for p in blk.payloads] for blk in blocks]
-        header = pack_header(kind, method, "rotl1" if rotate else "none", nstreams, block_elems,
+        header = pack_header(kind, method, transform, nstreams, block_elems,
                              [blk.checksum for blk in blocks], [blk.codings for blk in blocks], sizes)
         try:
             size = len(header) + sum(map(sum, sizes))
@@ -138,7 +165,7 @@ class Codec:
                 frame, dest = made
             else:
                 return b"".join([header, *(p for blk in blocks for p in blk.payloads)])
-            frame_writer.write(dest, header, [blk.payloads for blk in blocks], len(groups),
+            frame_writer.write(dest, header, [blk.payloads for blk in blocks], groups,
                                lambda count, work: self.budget.run(count, work, threads, parallel))
             return frame
         finally:

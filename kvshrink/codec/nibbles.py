@@ -63,25 +63,36 @@ def choose_base(hist: np.ndarray) -> tuple[int, float]:
     return base, 1.0 - int(counts[base]) / total
 
 
-def encode_words(words: np.ndarray, rotate: bool, level: int, hash_log: int | None,
-                 alloc: Alloc) -> tuple[bytes, np.ndarray] | None:
+def encode_words(words: np.ndarray, rotate: bool, level: int, alloc: Alloc) -> tuple[bytes, np.ndarray] | None:
     """(payload of the high bytes, their low bytes as uint8[n] from ``alloc``) of 2-byte elements
     (uint16[n]; ``rotate`` applies rotl1 first), or None when the high bytes do not suit the
     coding (too many escapes, or a payload no smaller than the stream)."""
-    n = words.size
-    base, outside = choose_base(packed._histogram(words, rotate))
+    low = alloc(words.size)
+    payload = _encode(words, rotate, level, alloc, low)
+    return None if payload is None else (payload, low)
+
+
+def encode_stream(stream: np.ndarray, level: int, alloc: Alloc) -> bytes | None:
+    """The payload of a high-byte ``stream`` (uint8[n]) already split out (a fast frame's packed
+    exponents, decoded), or None when it does not suit the coding."""
+    return _encode(stream, False, level, alloc, np.empty(0, np.uint8))
+
+
+def _encode(src: np.ndarray, rotate: bool, level: int, alloc: Alloc, low: np.ndarray) -> bytes | None:
+    n = src.size
+    base, outside = choose_base(packed._histogram(src, rotate))
     if outside > MAX_ESCAPE_SHARE:
         return None
-    low, pairs, exc = alloc(n), alloc((n + 1) // 2), alloc(n)
+    pairs, exc = alloc((n + 1) // 2), alloc(n)
     jit = _jit()
-    ne = jit.encode(words, rotate, base, pairs, exc, low) if jit is not None else \
-        _np_encode(words, rotate, base, pairs, exc, low)
+    ne = jit.encode(src, rotate, base, pairs, exc, low) if jit is not None else \
+        _np_encode(src, rotate, base, pairs, exc, low)
     if ne > n * MAX_ESCAPE_SHARE:
         return None
     compressed = backends.zstd_compress(pairs, level, None)  # zstd's own match finder: see module docstring
     if HEADER.size + len(compressed) + ne >= n:
         return None
-    return b"".join([HEADER.pack(base, len(compressed)), compressed, exc[:ne]]), low
+    return b"".join([HEADER.pack(base, len(compressed)), compressed, exc[:ne]])
 
 
 def decode_words(payload: memoryview, low: np.ndarray, words: np.ndarray, rotate: bool,
@@ -119,14 +130,16 @@ def check_payload(payload: memoryview, n: int) -> tuple[int, memoryview, np.ndar
 
 
 # -- kernels: numba when importable, else the numpy reference ---------------------------------------
-def _np_encode(words: np.ndarray, rotate: bool, base: int, pairs: np.ndarray, exc: np.ndarray,
+def _np_encode(src: np.ndarray, rotate: bool, base: int, pairs: np.ndarray, exc: np.ndarray,
                low: np.ndarray) -> int:
-    """numpy reference of the encode kernel."""
-    a = words.astype(np.uint32)
-    if rotate:
-        a = ((a << 1) | (a >> 15)) & 0xFFFF
-    high = (a >> 8).astype(np.uint8)
-    low[:] = a & 0xFF
+    """numpy reference of the encode kernel (uint16 words with ``low``, or uint8 bytes)."""
+    a = src.astype(np.uint32)
+    if src.itemsize == 2:
+        if rotate:
+            a = ((a << 1) | (a >> 15)) & 0xFFFF
+        low[:] = a & 0xFF
+        a >>= 8
+    high = a.astype(np.uint8)
     codes = np.minimum((high - np.uint8(base)).astype(np.uint8), ESCAPE).astype(np.uint8)
     padded = np.zeros(2 * pairs.size, np.uint8)
     padded[:codes.size] = codes

@@ -66,8 +66,9 @@ def convert(frame: Any, tier: Tier) -> Any:
 
 class FrameSet:
     """The frames of one chunk, at most one per codec method, each made once, on first need:
-    from the chunk itself (a put) or by decoding a frame we already have (a copy between tiers).
-    A frame of the right method is reused whatever level it was made with."""
+    from the chunk itself (a put), or from a frame we already have (a copy between tiers:
+    :meth:`Codec.transcode`, which re-codes a fast frame as a dense one without decoding the
+    chunk). A frame of the right method is reused whatever level it was made with."""
 
     def __init__(self, *, chunk: Any = None, frame: Any = None) -> None:
         if (chunk is None) == (frame is None):
@@ -79,10 +80,9 @@ class FrameSet:
         method, level = method_of(tier)
         if method not in self._frames:
             codec = codecs_of(tier).parallel
-            self._frames[method] = codec.encode(self._source(codec), method=method, level=level)
+            if self._chunk is None:
+                made = codec.transcode(next(iter(self._frames.values())), method=method, level=level)
+            else:
+                made = codec.encode(self._chunk, method=method, level=level)
+            self._frames[method] = made
         return self._frames[method]
-
-    def _source(self, codec: Any) -> Any:
-        if self._chunk is None:
-            self._chunk = codec.decode(next(iter(self._frames.values())))
-        return self._chunk

@@ -197,3 +197,50 @@ def test_truncations_and_byte_flips(real_chunks):
         small = codec.encode(np.ascontiguousarray(real_chunks[3][:, :1, :8, :189]))
     assert NIBBLE in parse_header(memoryview(small))[1].codings
     check_truncations_and_flips(small)  # only bits no decoder reads are free (a zstd frame's unused bits)
+
+
+def test_a_fast_frame_transcodes_to_dense_without_decoding(real_chunks):
+    """A demotion's re-coding: the exponents re-coded, the low bytes and block checksums reused;
+    the frame decodes to the same chunk and is as small as encoding it afresh."""
+    with Codec(threads=2) as codec:
+        for chunk in real_chunks:
+            fast = codec.encode(chunk, method="fast")
+            dense = codec.transcode(fast, method="zstd")
+            header, table = parse_header(memoryview(dense))
+            assert (header.method, header.format_version) == ("zstd", 3)
+            assert table.codings.tolist() == [[NIBBLE, STORED]] * header.nblocks
+            assert table.checksums.tolist() == parse_header(memoryview(fast))[1].checksums.tolist()
+            assert decode(dense).tobytes() == chunk.tobytes()
+            assert len(dense) <= len(codec.encode(chunk, method="zstd")) * 1.005
+            assert codec.transcode(dense, method="zstd") is dense
+
+
+def test_transcode_of_other_frames_decodes_and_encodes(real_chunks):
+    kv = np.ascontiguousarray(real_chunks[2][:, :2])
+    wide = (kv.astype(np.uint32) << 16).view(np.float32)  # 4 streams: no direct path
+    noise = np.random.default_rng(5).integers(0, 1 << 16, 70_000, dtype=np.uint16)  # exponents stored
+    with Codec(threads=1, block_size=64 << 10) as codec:
+        for x in (wide, noise):
+            for method in ("zstd", "raw", "qat"):
+                frame_ = codec.transcode(codec.encode(x, method="fast"), method=method)
+                assert read_header(frame_).method == method and decode(frame_).tobytes() == x.tobytes()
+        assert codec.transcode(codec.encode(noise, method="fast"), method="zstd") == codec.encode(noise, method="zstd")
+
+
+def test_a_damaged_fast_frame_never_transcodes_to_wrong_bytes(real_chunks):
+    """Damage in the packed exponents fails the transcode; damage in the reused low bytes passes
+    it, and the dense frame then fails its (reused) checksum when read."""
+    kv = np.ascontiguousarray(real_chunks[0][:, :2, :64])
+    with Codec(threads=1, block_size=8192) as codec:
+        fast = codec.encode(kv, method="fast")
+        _, table = parse_header(memoryview(fast))
+        for stream in (0, 1):
+            damaged = bytearray(fast)
+            damaged[int(table.offsets[1, stream]) + 40] ^= 0x10
+            try:
+                dense = codec.transcode(bytes(damaged), method="zstd")
+            except CodecError:
+                assert stream == 0
+                continue
+            with pytest.raises(CodecError, match="checksum"):
+                decode(dense)
