@@ -128,19 +128,22 @@ def test_overwrites_racing_evictions_and_promotions_never_serve_an_old_value(tmp
         return run
 
     with TieredStore.from_config(cfg) as store:
+        # both run until the rounds end (at most 300 s): with a fixed count of puts, a busy CI
+        # machine once let the evictor finish before the rounds began, and the key never left DRAM
+        deadline = time.monotonic() + 300
+
         @guarded
         def evictor() -> None:
             i = 0
-            while not stop.is_set() and i < 400:
+            while not stop.is_set() and time.monotonic() < deadline:
                 store.put(b"fill%d" % (i % 12), small_chunks[2 + i % 5]).result(timeout=60)
                 i += 1
 
         @guarded
         def reader() -> None:
-            i = 0
-            while not stop.is_set() and i < 4000:
+            while not stop.is_set() and time.monotonic() < deadline:
                 store.get(KEY)
-                i += 1
+                time.sleep(0.001)  # leaves the GIL to the rounds
 
         threads = [threading.Thread(target=evictor), threading.Thread(target=reader)]
         for t in threads:
