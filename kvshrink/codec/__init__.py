@@ -5,7 +5,8 @@ Method: cut the input into independent blocks, split each block's elements into 
 in one byte), then per stream: zstd (or deflate for ``qat``, or fixed-width codes with an escape
 list for ``fast``, built for decode speed: :mod:`kvshrink.codec.packed`) when the data says it
 pays, stored otherwise. zstd codes the exponent stream of 2-byte elements as 4-bit codes, two to a
-byte, so its entropy stage sees half the symbols (:mod:`kvshrink.codec.nibbles`). Blocks run in parallel; every block carries a checksum of its decoded bytes.
+byte, so its entropy stage sees half the symbols (:mod:`kvshrink.codec.nibbles`). Blocks run in
+parallel; every block carries a checksum of its decoded bytes.
 
     frame = encode(kv)                  # numpy (bf16 as uint16 view) or torch tensor
     kv2 = decode(frame)                 # same container, dtype, shape; bit-exact

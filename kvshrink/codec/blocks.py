@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from functools import partial
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np

@@ -26,8 +26,9 @@ from kvshrink.codec.frame import NIBBLE, PACKED, STORED, ZSTD, FrameHeader, Stre
 def fast_to_dense_applies(header: FrameHeader, table: StreamTable, method: str) -> bool:
     """Whether :func:`dense_block` re-codes every block of this frame for ``method``: a fast frame of
     2-byte elements split in two streams, the low one stored in every block."""
-    return (method == "zstd" and header.method == "fast" and header.itemsize == 2 and header.streams_per_block == 2
-            and bool((table.codings[:, 1] == STORED).all()) and bool(np.isin(table.codings[:, 0], (PACKED, STORED)).all()))
+    if method != "zstd" or header.method != "fast" or header.itemsize != 2 or header.streams_per_block != 2:
+        return False
+    return bool((table.codings[:, 1] == STORED).all() and np.isin(table.codings[:, 0], (PACKED, STORED)).all())
 
 
 def dense_block(view: memoryview, header: FrameHeader, table: StreamTable, block: int, level: int,

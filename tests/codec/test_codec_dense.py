@@ -175,8 +175,8 @@ def test_nibble_coding_only_where_it_belongs(dense_frame, real_chunks):
     swapped = [row[:] for row in codings]
     swapped[0] = [STORED, NIBBLE]
     with pytest.raises(CodecError, match="high stream"):
-        decode(rebuild(dense_frame, 0, 0, bytes(memoryview(dense_frame)[int(table.offsets[0, 0]):][:int(table.sizes[0, 0])]),
-                       codings=swapped))
+        high = bytes(memoryview(dense_frame)[int(table.offsets[0, 0]):][:int(table.sizes[0, 0])])
+        decode(rebuild(dense_frame, 0, 0, high, codings=swapped))
     both = [row[:] for row in codings]
     both[0] = [NIBBLE, ZSTD]
     with pytest.raises(CodecError, match="high stream"):
