@@ -7,7 +7,7 @@ nibble-coded stream (:mod:`kvshrink.codec.nibbles`), version 1 for every other f
 
     offset  size  field
     0       4     magic b"KVSZ"
-    4       1     format version (1; 2 for fast frames)
+    4       1     format version (1; 2 for fast frames; 3 for zstd frames with a nibble stream)
     5       1     method: 0 raw, 1 zstd (versions 1, 3), 2 qat, 3 fast (version 2 only); each stream
                          names its coding
     6       1     container: 0 numpy, 1 torch

@@ -3,8 +3,8 @@
 Why: zstd's cost on the exponent stream of bf16 KV is its Huffman stage, paid per symbol. Nearly
 every exponent byte lies in a window of 15 values (~2.9 bits of entropy), so coding each as
 ``(byte - base) mod 256`` in 4 bits, two codes to a byte, halves the symbols zstd sees while
-keeping what it can learn: measured on SmolLM2 KV at zstd level 1, 1.484x against 1.484x for zstd
-on the plain stream, its zstd stage ~3x faster to encode and ~2.5x to decode; the whole dense codec
+keeping what it can learn: measured on SmolLM2 KV at zstd level 1, the same ratio as zstd on the
+plain stream (1.484x), its zstd stage ~3x faster to encode and ~2.5x to decode; the whole dense codec
 went from 0.89 to 1.28 GB/s encoding and 1.41 to 1.81 GB/s decoding on one core (Xeon with AMX,
 best of five interleaved runs). The low (mantissa) byte is stored.
 Used for 2-byte elements whose high stream alone is worth compressing (bf16 / fp16 KV); a block
