@@ -17,7 +17,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kvshrink.codec._packjit import _LSB, _escape_positions, _mark_escapes, _merge_codes, _split_codes, _word
+from kvshrink.codec._packjit import (
+    _LSB,
+    _coded_byte,
+    _escape_positions,
+    _mark_escapes,
+    _merge_codes,
+    _split_codes,
+    _word,
+)
 
 CHUNK = 4096  # elements per chunk (even: a chunk starts on a whole pair)
 ESCAPE = 15
@@ -44,11 +52,7 @@ def encode(src, rotate, base, pairs, exc, low):
         k = (m + 63) // 64
         s = src[start:start + m]
         c8 = codes[:m]
-        if words:
-            _split_codes(s, rotate, b8, esc, low[start:start + m], c8)
-        else:
-            for i in range(m):
-                c8[i] = min(np.uint8(s[i] - b8), esc)
+        _split_codes(s, words, rotate, b8, esc, low[start:start + m], c8)
         codes[m:64 * k] = 0
         half = (m + 1) // 2
         p = pairs[start // 2:start // 2 + half]
@@ -59,12 +63,7 @@ def encode(src, rotate, base, pairs, exc, low):
         if not _mark_escapes(codes, esc, groups[:k]):
             continue
         for e in range(_escape_positions(codes64, groups[:k], m, pattern, positions)):
-            a = np.uint32(s[positions[e]])
-            if words:
-                if rotate:
-                    a = ((a << 1) | (a >> 15)) & 0xFFFF
-                a >>= 8
-            exc[ne] = np.uint8(a)
+            exc[ne] = _coded_byte(s[positions[e]], words, rotate)
             ne += 1
     return ne
 

@@ -123,11 +123,15 @@ def _escape_positions(codes64, groups, m, pattern, positions):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _split_codes(s, rotate, base, esc, lo, codes):
-    """For 2-byte elements ``s`` (rotated left by one bit first if ``rotate``): their low bytes
-    into ``lo``, and their high bytes as codes ``min((high - base) mod 256, esc)`` into ``codes``.
-    One loop per case, no reduction in it: each vectorises."""
-    if rotate:
+def _split_codes(s, words, rotate, base, esc, lo, codes):
+    """Codes ``min((value - base) mod 256, esc)`` into ``codes``: of the bytes ``s``, or, with
+    ``words``, of the high bytes of 2-byte elements ``s`` (rotated left by one bit first if
+    ``rotate``), whose low bytes go into ``lo``. One loop per case, no reduction in it: each
+    vectorises."""
+    if not words:
+        for i in range(s.size):
+            codes[i] = min(np.uint8(s[i] - base), esc)
+    elif rotate:
         for i in range(s.size):
             a = np.uint16((s[i] << 1) | (s[i] >> 15))
             lo[i] = np.uint8(a & 0xFF)
@@ -136,6 +140,17 @@ def _split_codes(s, rotate, base, esc, lo, codes):
         for i in range(s.size):
             lo[i] = np.uint8(s[i] & 0xFF)
             codes[i] = min(np.uint8(np.uint8(s[i] >> 8) - base), esc)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _coded_byte(value, words, rotate):
+    """The byte ``_split_codes`` codes for element ``value`` (an escape's exception byte)."""
+    a = np.uint32(value)
+    if words:
+        if rotate:
+            a = ((a << 1) | (a >> 15)) & 0xFFFF
+        a >>= 8
+    return np.uint8(a)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -218,11 +233,7 @@ def encode(src, rotate, w, base, planes, exc, low):
         k = (m + 63) // 64
         c8 = codes[:m]
         s = src[start:start + m]
-        if words:
-            _split_codes(s, rotate, b8, esc, low[start:start + m], c8)
-        else:
-            for i in range(m):
-                c8[i] = min(np.uint8(s[i] - b8), esc)
+        _split_codes(s, words, rotate, b8, esc, low[start:start + m], c8)
         codes[m:64 * k] = 0
         c64 = codes64[:8 * k]
         if w == 0:
@@ -233,10 +244,7 @@ def encode(src, rotate, w, base, planes, exc, low):
                 return -1
         elif _mark_escapes(codes, esc, groups[:k]):
             for e in range(_escape_positions(c64, groups[:k], m, pattern, positions)):
-                a = np.uint32(s[positions[e]])
-                if words and rotate:
-                    a = ((a << 1) | (a >> 15)) & 0xFFFF
-                exc[ne] = np.uint8(a >> 8) if words else np.uint8(a)
+                exc[ne] = _coded_byte(s[positions[e]], words, rotate)
                 ne += 1
         _planes_from_codes(codes64[:8 * k], w, planes[pos:pos + w * k])
         pos += w * k
