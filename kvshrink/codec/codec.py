@@ -134,6 +134,14 @@ class Codec:
         ``fast`` frame of 2-byte elements becomes a ``zstd`` frame without decoding the chunk
         (:mod:`kvshrink.codec.transcode`: a demotion from a fast tier to a dense one); any other
         pair is decoded and encoded. CodecError if ``blob`` is corrupt where it is read."""
+        made = self.transcode_direct(blob, method=method, level=level)
+        if made is None:
+            made = self.encode(self.decode(blob), method=method, level=level)
+        return made
+
+    def transcode_direct(self, blob: Any, *, method: str, level: int | None = None) -> Any | None:
+        """:meth:`transcode` where it needs no decode of the chunk (the same frame, or fast to
+        zstd), else None: a caller holding several targets decodes once itself."""
         method = _check_method(method)
         level = self.level if level is None else _check_level(method, level)
         view = _as_bytes_view(blob)
@@ -141,7 +149,7 @@ class Codec:
         if header.method == method:
             return blob
         if not transcode.fast_to_dense_applies(header, table, method):
-            return self.encode(self.decode(view), method=method, level=level)
+            return None
         threads, parallel = self.threads, _parallel(header.nblocks, header.raw_size)
         blocks = self.budget.run(header.nblocks,
                                  lambda b: transcode.dense_block(view, header, table, b, level, self.hash_log),

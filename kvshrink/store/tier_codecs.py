@@ -80,9 +80,16 @@ class FrameSet:
         method, level = method_of(tier)
         if method not in self._frames:
             codec = codecs_of(tier).parallel
+            made = None
             if self._chunk is None:
-                made = codec.transcode(next(iter(self._frames.values())), method=method, level=level)
-            else:
-                made = codec.encode(self._chunk, method=method, level=level)
+                made = codec.transcode_direct(next(iter(self._frames.values())), method=method, level=level)
+            if made is None:
+                made = codec.encode(self._source(codec), method=method, level=level)
             self._frames[method] = made
         return self._frames[method]
+
+    def _source(self, codec: Any) -> Any:
+        """The chunk, decoded from a frame we have at most once for all targets that need it."""
+        if self._chunk is None:
+            self._chunk = codec.decode(next(iter(self._frames.values())))
+        return self._chunk
