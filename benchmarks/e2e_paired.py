@@ -102,8 +102,9 @@ ADAPTER = {"type": "plugin", "module_path": "kvshrink.storage_backends.mp_l2_ada
 STOCK_L2_EVICTION = {"eviction_policy": "LRU", "trigger_watermark": 0.95, "eviction_ratio": 0.05}
 HOT_TARGET_L1 = 1.03
 HOT_TARGET_L2 = 1.10
-REPLAY_PREFILL_TARGET = 0.85
-REPLAY_HIT_POINTS_TARGET = 0.10
+REPLAY_PREFILL_TARGET = 0.80  # total prefill ours / stock at its best, upper bound of the interval
+REPLAY_HIT_POINTS_TARGET = 0.10  # hit rate ours - stock at its best, lower bound of the interval
+EQUAL_HITS_TTFT_TARGET = 1.02  # TTFT ours / stock where both hit the same tokens: the adapter costs nothing there
 
 
 class E2EError(KVShrinkError):
@@ -688,8 +689,11 @@ class PairedBench:
                 result.context = self.context_lengths()
             if self.settings.fractions:
                 requests, budgets = self.choose_trace(result)
+                started = time.monotonic()
                 for budget in budgets if not self.size_only else ():
                     result.replay.append(self.replay(requests, budget, result.workload["replay_l1_headroom_mib"]))
+                if result.workload.get("sizing") and result.replay:  # next to predicted_s: how good the sizing was
+                    result.workload["sizing"]["replay_s"] = time.monotonic() - started
             return result
         finally:
             self.stop()
@@ -862,6 +866,25 @@ def _hot_hits_ok(samples: dict[str, dict[str, list[Sample]]], prompt_tokens: int
                 ok = all(x.l2_hit_tokens >= cached - chunk for x in xs)
             out[f"{label}/{key}"] = ok
     return out
+
+
+def equal_hits_ttft(replay: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """TTFT ours / stock at its best on the replay's requests where both hit the same tokens, every
+    budget pooled: what the adapter costs where it wins nothing (the median of the paired ratios,
+    95 % interval, verdict against :data:`EQUAL_HITS_TTFT_TARGET`). None without such requests."""
+    from kvshrink.benchmarks.paired_stats import paired_ratio
+
+    ours, stock = [], []
+    for entry in replay:
+        for o, s in zip(entry["samples"]["ours"], entry["samples"][entry["stock_best"]]):
+            if o["hit_tokens"] == s["hit_tokens"]:
+                ours.append(o["ttft_s"])
+                stock.append(s["ttft_s"])
+    if not ours:
+        return None
+    ratio = paired_ratio(ours, stock)
+    interval = {"value": ratio.median, "low": ratio.low, "high": ratio.high, "pairs": ratio.pairs}
+    return {**interval, "target": EQUAL_HITS_TTFT_TARGET, "verdict": verdict(interval, EQUAL_HITS_TTFT_TARGET)}
 
 
 def _agreement(samples: dict[str, list[Sample]], ours: str, stock: str) -> dict[str, int]:

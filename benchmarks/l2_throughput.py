@@ -15,7 +15,8 @@ store with a DRAM tier of one chunk, so every store passes through DRAM on to th
 (exclusive tiers: the chunk the next store evicts is demoted there, and ``persist_on_close`` moves
 the last one) and loads come from the SSD tier (neither fsyncs per chunk as shipped; SSD reads right after
 writes come from the page cache on both sides). "threads" = concurrent submits (``in_flight``) for
-both sides, and our adapter's worker threads. Our side records the store file it used.
+both sides, and our adapter's worker threads: not cores, so each side also reports the CPU seconds
+its stores and loads took per GB (:class:`AdapterCpu`). Our side records the store file it used.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextlib
 import json
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
@@ -138,11 +140,14 @@ def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
 
     quiet = (lambda _msg: None)
     verified = 0
+    cpu = AdapterCpu()
     with l2_adapter(spec, buffer) as adapter:
-        store = bench_store(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, store_objs, quiet)
+        store, store_cpu_s, store_wall_s = cpu.of(lambda: bench_store(adapter, threads, settings.keys_per_submit, size, rounds,
+                                                        keys_for, cpu.harness(store_objs), quiet))
         _check_complete("store", store)
         with load_phase():
-            load = bench_load(adapter, threads, settings.keys_per_submit, size, rounds, keys_for, load_objs, quiet)
+            load, load_cpu_s, load_wall_s = cpu.of(lambda: bench_load(adapter, threads, settings.keys_per_submit, size, rounds,
+                                                         keys_for, cpu.harness(load_objs), quiet))
         _check_complete("load", load)
         # every round loads into the same buffers: check the last round's chunks bit-exact
         for i, objs in enumerate(load_views):
@@ -154,9 +159,46 @@ def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
     measured_store = store.round_durations[settings.warmup_rounds:]
     measured_load = load.round_durations[settings.warmup_rounds:]
     wave_bytes = wave * size
+    moved_gb = wave_bytes * rounds / 1e9  # the CPU figures count every round, the warm-up too
     return {"store_gbps": wave_bytes * len(measured_store) / sum(measured_store) / 1e9,
             "load_gbps": wave_bytes * len(measured_load) / sum(measured_load) / 1e9,
+            "store_cpu_s_per_gb": store_cpu_s / moved_gb,
+            "load_cpu_s_per_gb": load_cpu_s / moved_gb,
+            "store_cores_busy": store_cpu_s / store_wall_s,
+            "load_cores_busy": load_cpu_s / load_wall_s,
             "verified_chunks": float(verified)}
+
+
+class AdapterCpu:
+    """CPU seconds the adapter costs this process (every thread: its workers, LMCache's own)
+    while the rounds run, and the wall time they run, both less the harness's filling of each
+    round's objects between rounds.
+
+    Why: a side whose one "thread" keeps two cores busy cannot get faster with a second thread,
+    and GB/s alone does not show it; CPU seconds per GB moved does, and it is what the host of a
+    GPU server pays per GB of KV. Threads: use from the benchmark's thread only."""
+
+    def __init__(self) -> None:
+        self._harness = (0.0, 0.0)  # (CPU, wall) seconds in harness calls so far
+
+    def harness(self, make: Callable[[int], Any]) -> Callable[[int], Any]:
+        """``make`` (a round's objects), its CPU and wall time left out of :meth:`of`."""
+        def made(r: int) -> Any:
+            cpu, wall = time.process_time(), time.monotonic()
+            try:
+                return make(r)
+            finally:
+                self._harness = (self._harness[0] + time.process_time() - cpu,
+                                 self._harness[1] + time.monotonic() - wall)
+        return made
+
+    def of(self, run: Callable[[], Any]) -> tuple[Any, float, float]:
+        """``run()``'s result, and the process CPU seconds and wall seconds it took, harness calls
+        excluded."""
+        cpu, wall, harness = time.process_time(), time.monotonic(), self._harness
+        result = run()
+        return (result, time.process_time() - cpu - (self._harness[0] - harness[0]),
+                time.monotonic() - wall - (self._harness[1] - harness[1]))
 
 
 def _check_complete(op: str, result: Any) -> None:
