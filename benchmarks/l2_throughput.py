@@ -142,12 +142,12 @@ def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
     verified = 0
     cpu = AdapterCpu()
     with l2_adapter(spec, buffer) as adapter:
-        store, store_cpu_s, store_wall_s = cpu.of(lambda: bench_store(adapter, threads, settings.keys_per_submit, size, rounds,
-                                                        keys_for, cpu.harness(store_objs), quiet))
+        store, store_cpu_s, store_wall_s = cpu.of(lambda: bench_store(
+            adapter, threads, settings.keys_per_submit, size, rounds, keys_for, cpu.harness(store_objs), quiet))
         _check_complete("store", store)
         with load_phase():
-            load, load_cpu_s, load_wall_s = cpu.of(lambda: bench_load(adapter, threads, settings.keys_per_submit, size, rounds,
-                                                         keys_for, cpu.harness(load_objs), quiet))
+            load, load_cpu_s, load_wall_s = cpu.of(lambda: bench_load(
+                adapter, threads, settings.keys_per_submit, size, rounds, keys_for, cpu.harness(load_objs), quiet))
         _check_complete("load", load)
         # every round loads into the same buffers: check the last round's chunks bit-exact
         for i, objs in enumerate(load_views):

@@ -454,6 +454,7 @@ def e2e_section(result: Any) -> Section:
                              f"the same core): mean wait {statistics.fmean(waits) if waits else 0.0:.2f} s, same on "
                              "every stack, not counted in TTFT")
     in_range = []
+    points, room = ep.REPLAY_HIT_POINTS_TARGET, _replay_hit_room(result.workload)
     for case, stock, ours in ep.side_runs(result):
         section.comparisons += compare("e2e agent replay", case, stock, ours, [
             Metric("hit_rate", "fraction"), Metric("prefill_s", "s", False), Metric("ttft_p50_s", "s", False),
@@ -466,16 +467,15 @@ def e2e_section(result: Any) -> Section:
                   f"{entry['figures']['ours']['hit_rate']:.1%}; prefill ours/stock {p['value']:.3f} "
                   f"(95 % {p['low']:.3f}-{p['high']:.3f}): {p['verdict']}; hit rate {h['value'] * 100:+.1f} points "
                   f"(95 % {h['low'] * 100:+.1f} to {h['high'] * 100:+.1f}): {h['verdict']}")
-        if best["hit_rate"] <= _replay_hit_room(result.workload):
+        if best["hit_rate"] <= room:
             in_range.append(entry)
             section.target(f"agent replay at {entry['label']}: total prefill <= {ep.REPLAY_PREFILL_TARGET}x stock and "
                            f"hit rate >= stock + {ep.REPLAY_HIT_POINTS_TARGET * 100:.0f} points",
                            p["verdict"] == "met" and h["verdict"] == "met", detail)
         else:
             section.notes.append(f"agent replay at {entry['label']}: stock at its best hits {best['hit_rate']:.1%}, "
-                                 f"above {_replay_hit_room(result.workload):.1%} (an unbounded cache hits "
-                                 f"{_replay_hit_room(result.workload) + ep.REPLAY_HIT_POINTS_TARGET:.1%} of this trace: no cache can gain "
-                                 f"{ep.REPLAY_HIT_POINTS_TARGET * 100:.0f} points over it), no target: {detail}")
+                                 f"above {room:.1%} (an unbounded cache hits {room + points:.1%} of this trace: "
+                                 f"no cache can gain {points * 100:.0f} points over it), no target: {detail}")
     if not result.replay:  # --quick
         section.notes.append("no agent replay in this mode: one whose sessions reach 8K tokens and whose intervals "
                              "can decide costs more than its 10 minutes on either CPU (kvshrink bench without "
@@ -483,9 +483,8 @@ def e2e_section(result: Any) -> Section:
         return section
     _e2e_trace_notes(section, result.workload)
     section.target(f"agent replay: at least three budgets where stock at its best hits at most the trace's reuse "
-                   f"ceiling - {ep.REPLAY_HIT_POINTS_TARGET * 100:.0f} points", len(in_range) >= 3,
-                   f"{len(in_range)} of {len(result.replay)} budgets (stock at its best at most "
-                   f"{_replay_hit_room(result.workload):.1%})")
+                   f"ceiling - {points * 100:.0f} points", len(in_range) >= 3,
+                   f"{len(in_range)} of {len(result.replay)} budgets (stock at its best at most {room:.1%})")
     same = ep.equal_hits_ttft(result.replay)
     section.figures["equal_hits_ttft"] = same
     if same is not None:

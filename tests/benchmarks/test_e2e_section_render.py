@@ -78,14 +78,16 @@ def test_equal_hits_ttft_pairs_only_requests_whose_hits_are_equal_on_both_sides(
     same = ep.equal_hits_ttft([_replay_entry(ours[:40], stock[:40]), _replay_entry(ours[40:], stock[40:])])
     assert same["pairs"] == 30 and same["value"] == pytest.approx(0.99)
     assert same["high"] <= ep.EQUAL_HITS_TTFT_TARGET and same["verdict"] == "met"
-    slower = ep.equal_hits_ttft([_replay_entry([(1.1 * t, h) for t, h in equal], [(t / 0.99, h) for t, h in equal])])
+    slower = ep.equal_hits_ttft([_replay_entry([(1.1 * t, h) for t, h in equal],
+                                               [(t / 0.99, h) for t, h in equal])])
     assert slower["verdict"] == "not met"  # 10 % slower on every request with equal hits
     assert ep.equal_hits_ttft([_replay_entry([(1.0, 256)], [(1.0, 0)])]) is None
 
 
 def test_the_equal_hits_target_is_reported_with_its_interval(result: ep.PairedResult) -> None:
     section = e2e_section(result)
-    name = f"agent replay, requests whose hits are equal on both sides: TTFT ours / stock <= {ep.EQUAL_HITS_TTFT_TARGET}"
+    name = ("agent replay, requests whose hits are equal on both sides: TTFT ours / stock <= "
+            f"{ep.EQUAL_HITS_TTFT_TARGET}")
     same = section.figures["equal_hits_ttft"]
     assert same["pairs"] >= 1 and section.targets[name]["pass"] == (same["verdict"] == "met")
     assert f"median of {same['pairs']} paired ratios" in section.targets[name]["detail"]
