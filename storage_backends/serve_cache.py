@@ -248,10 +248,15 @@ def run(args: argparse.Namespace) -> int:
     import shlex
     from dataclasses import replace
 
+    try:  # a bad flag is refused before the file is read: its checks (e.g. free disk) must not hide it
+        timeout = None if args.shutdown_timeout is None else \
+            number_value(args.shutdown_timeout, "--shutdown-timeout", above=True)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     try:
         config = load_serve_config(args.config)
-        if args.shutdown_timeout is not None:
-            timeout = number_value(args.shutdown_timeout, "--shutdown-timeout", above=True)
+        if timeout is not None:
             config = replace(config, server=replace(config.server, shutdown_timeout_s=timeout))
     except ConfigError as exc:
         print(f"{PROG}: {args.config or 'default configuration'}: {exc}", file=sys.stderr)

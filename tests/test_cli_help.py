@@ -97,9 +97,15 @@ def test_the_old_serve_cache_spelling_runs_cache_serve(tmp_path, capsys):
     assert error.startswith("kvshrink cache serve: ") and "cannot read" in error
 
 
-def test_a_bad_shutdown_timeout_is_refused_naming_the_option(capsys):
+def test_a_bad_shutdown_timeout_is_refused_naming_the_option(tmp_path, capsys):
     assert main(["cache", "serve", "--check", "--shutdown-timeout", "0"]) == 2
     assert "'--shutdown-timeout'" in capsys.readouterr().err
+    # before the configuration is read: a file that fails its own checks (here: none there; on a small
+    # disk: the shipped default's SSD capacity) must not hide the bad flag
+    assert main(["cache", "serve", "--check", "--config", str(tmp_path / "missing.yaml"),
+                 "--shutdown-timeout", "-1"]) == 2
+    error = capsys.readouterr().err
+    assert "'--shutdown-timeout'" in error and "cannot read" not in error
 
 
 # -- a down service: one line, non-zero, no traceback -------------------------------------------------
