@@ -10,8 +10,9 @@ How many threads a call may use is the process budget's to say (:mod:`kvshrink.c
 Decoding writes straight into the caller's rows: a stored stream is read from the frame where it
 lies, a compressed one is decompressed into a scratch buffer reused across calls (no new ``bytes``
 per stream), then the streams are merged into the output. The ``fast`` method's common block, two
-byte streams of which the high one is packed and the low one stored, skips both steps: one fused
-kernel writes the elements from the two payloads (:mod:`kvshrink.codec.packed`).
+byte streams of which the high one is coded (code pairs, :mod:`kvshrink.codec.nibbles`, or packed
+planes, :mod:`kvshrink.codec.packed`) and the low one stored, skips both steps: one fused kernel
+writes the elements from the two payloads.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from kvshrink.codec import backends, byteplanes, nibbles, packed
+from kvshrink.codec import backends, byteplanes, fast_frames, nibbles, packed
 from kvshrink.codec.errors import CodecError
-from kvshrink.codec.frame import NIBBLE, PACKED, STORED, FrameHeader, StreamTable, block_bounds, stream_length
+from kvshrink.codec.frame import NIBBLE, PACKED, PAIRS, STORED, FrameHeader, StreamTable, block_bounds, stream_length
+
+PAIRS_WIDTH = 4  # the packed width whose window the code pairs share (== _fastjit.PAIRS_WIDTH)
 
 
 @dataclass(frozen=True)
@@ -104,12 +107,21 @@ def _encode_nibbles(rows: np.ndarray, plan: EncodePlan, checksum: int) -> Encode
 
 def _encode_fast(rows: np.ndarray, plan: EncodePlan, checksum: int) -> EncodedBlock:
     """Pack the streams that the sample said are worth it, store the rest; for 2-byte elements
-    with a compressible high byte only, one fused pass splits the words and packs the high bytes."""
+    with a compressible high byte only, one fused pass splits the words and codes the high bytes:
+    as code pairs where the sample picks packing's 4-bit width (a window of 15 values: real KV), as
+    packed planes otherwise."""
     elements = rows.shape[0]
     block = EncodedBlock(checksum, [], [])
     alloc = partial(take_scratch, block)
     if plan.nstreams == 2 and plan.attempt == (True, False):
-        payload, low = packed.encode_words(rows.reshape(-1).view("<u2"), plan.rotate, elements, alloc)
+        words = rows.reshape(-1).view("<u2")
+        width, base, estimate = packed.choose_words(words, plan.rotate)
+        if width == PAIRS_WIDTH and estimate < elements:
+            coded = nibbles.encode_pair_words(words, plan.rotate, base, alloc)
+            if coded is not None:
+                block.codings, block.payloads = [PAIRS, STORED], list(coded)
+                return block
+        payload, low = packed.encode_words(words, plan.rotate, elements, alloc)
         if payload is not None:
             block.codings, block.payloads = [PACKED, STORED], [payload, low]
             return block
@@ -122,11 +134,11 @@ def _encode_fast(rows: np.ndarray, plan: EncodePlan, checksum: int) -> EncodedBl
 
 def encode_fast_words(rows: np.ndarray, plan: EncodePlan, first: int, stop: int) -> list[EncodedBlock]:
     """Blocks ``first..stop-1`` of ``rows`` (the whole input, ``uint8[elements, 2]``) encoded as
-    ``_encode_fast`` encodes them, byte for byte: sampling, width choice and packing of a block in
-    one ``nogil`` kernel call (through ``_encode_fast`` a block paid ~20 us of Python under the
-    GIL). One pooled buffer holds the group's payloads; the first block's ``release`` gives it
-    back. Needs the compiled kernels."""
-    kernels = packed.kernels()
+    ``_encode_fast`` encodes them, byte for byte: sampling, choice and coding of a block in one
+    ``nogil`` kernel call (through ``_encode_fast`` a block paid ~20 us of Python under the GIL).
+    One pooled buffer holds the group's payloads; the first block's ``release`` gives it back.
+    Needs the compiled kernels."""
+    kernels = fast_frames.kernels()
     words = rows.reshape(-1).view("<u2")
     slot = packed.encode_buffer_size(plan.block_elems) + plan.block_elems
     slots = _scratch.take(slot * (stop - first))
@@ -135,15 +147,15 @@ def encode_fast_words(rows: np.ndarray, plan: EncodePlan, first: int, stop: int)
     for b in range(first, stop):  # a call per block: its checksum reads it while it is still in cache
         block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
         kernels.encode_word_blocks(words, plan.rotate, plan.block_elems, b, b + 1, slots[(b - first) * slot:], slot,
-                                   packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, packed.SAMPLE_RUNS,
-                                   packed.SAMPLE_RUN, results[b - first:])
-        size, packed_ok = results[b - first].tolist()
-        if not packed_ok:  # high bytes not worth packing here: the general path stores them
+                                   packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE,
+                                   packed.SAMPLE_RUNS, packed.SAMPLE_RUN, results[b - first:])
+        size, coding = results[b - first].tolist()
+        if not coding:  # high bytes not worth coding here: the general path stores them
             blocks.append(encode_block(block_rows, plan))
             continue
         at = (b - first) * slot
         low = at + slot - plan.block_elems
-        blocks.append(EncodedBlock(xxhash.xxh3_64_intdigest(block_rows), [PACKED, STORED],
+        blocks.append(EncodedBlock(xxhash.xxh3_64_intdigest(block_rows), [coding, STORED],
                                    [slots[at:at + size], slots[low:low + block_rows.shape[0]]]))
     blocks[0].scratch.append(slots)
     return blocks
@@ -153,7 +165,7 @@ def fast_words_apply(plan: EncodePlan) -> bool:
     """Whether ``encode_fast_words`` encodes blocks of this plan (fast, 2-byte elements, only the
     high byte worth packing, compiled kernels present)."""
     return plan.method == "fast" and plan.nstreams == 2 and plan.attempt == (True, False) and \
-        packed.kernels() is not None
+        fast_frames.kernels() is not None
 
 
 def decode_block(blob: memoryview, header: FrameHeader, table: StreamTable, block: int, rows: np.ndarray) -> None:
@@ -163,6 +175,12 @@ def decode_block(blob: memoryview, header: FrameHeader, table: StreamTable, bloc
         (high, low), (h_len, l_len) = table.offsets[block].tolist(), table.sizes[block].tolist()
         packed.decode_words(blob[high:high + h_len], np.frombuffer(blob[low:low + l_len], dtype=np.uint8),
                             rows.reshape(-1).view("<u2"), header.transform == "rotl1")
+        _verify(rows, table, block, header)
+        return
+    if codings == [PAIRS, STORED]:  # validated: 2-byte elements; fused straight into the caller's words
+        (high, low), (h_len, l_len) = table.offsets[block].tolist(), table.sizes[block].tolist()
+        nibbles.decode_pair_words(blob[high:high + h_len], np.frombuffer(blob[low:low + l_len], dtype=np.uint8),
+                                  rows.reshape(-1).view("<u2"), header.transform == "rotl1")
         _verify(rows, table, block, header)
         return
     if codings == [NIBBLE, STORED]:  # validated: 2-byte elements; fused straight into the caller's words

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, packed, transcode
+from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, transcode
 from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, encode_fast_words, fast_words_apply
 from kvshrink.codec.cpu_budget import CpuBudget
 from kvshrink.codec.cpu_budget import budget as _process_budget
@@ -49,8 +49,9 @@ class Codec:
     """Codec settings plus the machinery to apply them.
 
     * ``method``: "zstd" (default), "qat" (gzip/deflate; QAT hardware when libqatzip is present),
-      "fast" (exponent bytes packed to fixed-width codes, the rest stored: ~1.33x on bf16 KV at
-      several GB/s per core; :mod:`kvshrink.codec.packed`) or "raw" (framed and checksummed, not
+      "fast" (exponent bytes as fixed-width codes, 4-bit code pairs where they fit, the rest
+      stored: ~1.33x on bf16 KV at several GB/s per core; :mod:`kvshrink.codec.nibbles`,
+      :mod:`kvshrink.codec.packed`) or "raw" (framed and checksummed, not
       compressed);
     * ``level``: zstd 1..22 or deflate 1..9 (1 is best on split KV: higher zstd levels are slower
       *and* larger there); ignored by "raw" and "fast";
@@ -200,7 +201,7 @@ class Codec:
             copy_needed = False
             result, rows = _numpy_output(kind) if as_numpy else dtypes.new_output(kind)
         threads, parallel = self.threads, _parallel(header.nblocks, kind.nbytes)
-        kernels = packed.kernels()
+        kernels = fast_frames.kernels()
         words = None if kernels is None else fast_frames.word_blocks(view, header, table, kernels)
         if words is not None:  # one kernel call per group of blocks
             out_words = rows.reshape(-1).view("<u2")

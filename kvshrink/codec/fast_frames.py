@@ -7,9 +7,10 @@ checked in one compiled pass, and each worker decodes a contiguous group of bloc
 call per block (``nogil``) followed by its checksum (xxhash, also without the GIL) while the block
 is still in the core's cache: hashing a whole group after decoding it read it back from memory.
 
-Only frames whose every block is the fused case (packed high bytes, stored low bytes) take this
-path; any other frame, or one whose table fails a check, gets None from :func:`word_blocks` and
-is decoded block by block as before, which raises the precise ``CodecError``.
+Only frames whose every block is the fused case (high bytes as code pairs or packed planes, low
+bytes stored) take this path; any other frame, or one whose table fails a check, gets None from
+:func:`word_blocks` and is decoded block by block as before, which raises the precise ``CodecError``.
+The compiled loops live in ``_fastjit`` (:func:`kernels`).
 
 Buffers: reads the frame where it lies, writes only the caller's ``out``. Threads: a
 ``WordBlocks`` is read-only after construction; groups write disjoint slices of ``out``.
@@ -26,9 +27,16 @@ import xxhash
 
 from kvshrink.codec import packed
 from kvshrink.codec.errors import CodecError
-from kvshrink.codec.frame import PACKED, STORED, FrameHeader, StreamTable
+from kvshrink.codec.frame import PACKED, PAIRS, STORED, FrameHeader, StreamTable
+from kvshrink.codec.lazy_kernels import LazyKernels
 
-_FUSED = np.array([PACKED, STORED], np.uint8)
+_kernels = LazyKernels("kvshrink.codec._fastjit")
+
+
+def kernels():
+    """The compiled per-block loops of fast frames, None when the numpy reference runs (then every
+    frame is decoded block by block)."""
+    return _kernels.get()
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,10 @@ class WordBlocks:
     hi_off: np.ndarray  # int64[nblocks]: offset of the packed high-byte payload
     hi_len: np.ndarray
     lo_off: np.ndarray  # offset of the stored low bytes
+    codings: np.ndarray  # int64[nblocks]: PAIRS or PACKED, the high stream's coding
     widths: np.ndarray  # int64[nblocks]
     bases: np.ndarray
-    planes_len: np.ndarray  # bytes of bit planes
+    planes_len: np.ndarray  # bytes of the bit planes or of the code pairs
 
     def decode(self, kernels, out: np.ndarray, first: int, stop: int) -> None:
         """Decode blocks ``first..stop-1`` into ``out`` (uint16 over the whole frame) and verify
@@ -51,8 +60,8 @@ class WordBlocks:
         h = self.header
         rotate, elems = h.transform == "rotl1", h.block_elems
         for b in range(first, stop):
-            status = kernels.decode_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.widths,
-                                                self.bases, self.planes_len, elems, out, rotate, b, b + 1)
+            status = kernels.decode_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.codings,
+                                                self.widths, self.bases, self.planes_len, elems, out, rotate, b, b + 1)
             if status:
                 raise packed.kernel_error(-(-status % 4))
             if xxhash.xxh3_64_intdigest(out[b * elems:(b + 1) * elems]) != int(self.checksums[b]):
@@ -64,12 +73,14 @@ def word_blocks(view: memoryview, header: FrameHeader, table: StreamTable, kerne
     blocks or a payload header does not fit its block (then the block path reports it)."""
     if header.method != "fast" or header.itemsize != 2 or header.streams_per_block != 2 or not header.nblocks:
         return None
-    if not (table.codings == _FUSED).all():
+    codings = table.codings[:, 0].astype(np.int64)
+    if not ((table.codings[:, 1] == STORED).all() and ((codings == PAIRS) | (codings == PACKED)).all()):
         return None
     blob = np.frombuffer(view, dtype=np.uint8)
     hi_off, hi_len = table.offsets[:, 0], table.sizes[:, 0]
     widths, bases, planes_len = (np.empty(header.nblocks, np.int64) for _ in range(3))
-    if not kernels.word_block_args(blob, hi_off, hi_len, header.block_elems, header.raw_size // 2, packed.HEADER,
-                                   packed.MAX_WIDTH, widths, bases, planes_len):
+    if not kernels.word_block_args(blob, hi_off, hi_len, codings, header.block_elems, header.raw_size // 2,
+                                   packed.HEADER, packed.MAX_WIDTH, widths, bases, planes_len):
         return None
-    return WordBlocks(blob, header, table.checksums, hi_off, hi_len, table.offsets[:, 1], widths, bases, planes_len)
+    return WordBlocks(blob, header, table.checksums, hi_off, hi_len, table.offsets[:, 1], codings, widths, bases,
+                      planes_len)

@@ -1,14 +1,15 @@
 """The self-describing frame: layout, writing, and strict validation on reading.
 
-Frame format versions 1 to 3 (all integers little-endian); each frame is written as the oldest
+Frame format versions 1 to 4 (all integers little-endian); each frame is written as the oldest
 version that can hold it, so an older reader says a frame it cannot read was written by a newer
-kvshrink: version 2 for the ``fast`` method (packed streams), version 3 for a zstd frame with a
-nibble-coded stream (:mod:`kvshrink.codec.nibbles`), version 1 for every other frame::
+kvshrink: version 4 for a ``fast`` frame with a code-pair stream, version 2 for other ``fast``
+frames (packed streams only), version 3 for a zstd frame with a nibble-coded stream
+(:mod:`kvshrink.codec.nibbles`), version 1 for every other frame::
 
     offset  size  field
     0       4     magic b"KVSZ"
-    4       1     format version (1; 2 for fast frames; 3 for zstd frames with a nibble stream)
-    5       1     method: 0 raw, 1 zstd (versions 1, 3), 2 qat, 3 fast (version 2 only); each stream
+    4       1     format version (1; 2 or 4 for fast frames; 3 for zstd frames with a nibble stream)
+    5       1     method: 0 raw, 1 zstd (versions 1, 3), 2 qat, 3 fast (versions 2, 4); each stream
                          names its coding
     6       1     container: 0 numpy, 1 torch
     7       1     transform: 0 none, 1 rotl1 (each element rotated left by one bit before the split)
@@ -24,7 +25,8 @@ nibble-coded stream (:mod:`kvshrink.codec.nibbles`), version 1 for every other f
     ..      nblocks*s    stream coding: 0 stored, 1 zstd frame, 2 gzip members (deflate),
                          3 packed (fixed-width codes + exceptions, :mod:`kvshrink.codec.packed`),
                          4 nibble (4-bit codes, zstd, exceptions; version 3, the high stream of a
-                         2-byte element whose low stream is stored)
+                         2-byte element whose low stream is stored), 5 pairs (the nibble coding's
+                         4-bit codes stored, no zstd; version 4, fast frames, placed like nibble)
     ..      4*nblocks*s  stream payload sizes
     ..      8     xxh3-64 of every header byte above
     payload: the streams, block by block; within a block, most significant byte first
@@ -48,15 +50,18 @@ from kvshrink.codec.dtypes import CONTAINERS, ArrayKind, dtype_width
 from kvshrink.codec.errors import CodecError
 
 MAGIC = b"KVSZ"
-FORMAT_VERSION = 3  # the newest version this reader knows
-FAST_VERSION = 2  # fast frames
+FORMAT_VERSION = 4  # the newest version this reader knows
+FAST_VERSION = 2  # fast frames of packed and stored streams only
 NIBBLE_VERSION = 3  # zstd frames with a nibble-coded stream; every other frame is version 1
+PAIRS_VERSION = 4  # fast frames with a code-pair stream
 METHODS = ("raw", "zstd", "qat", "fast")
 TRANSFORMS = ("none", "rotl1")
 
-STORED, ZSTD, GZIP, PACKED, NIBBLE = 0, 1, 2, 3, 4
+STORED, ZSTD, GZIP, PACKED, NIBBLE, PAIRS = 0, 1, 2, 3, 4, 5
 CODINGS = {"raw": frozenset({STORED}), "zstd": frozenset({STORED, ZSTD, NIBBLE}), "qat": frozenset({STORED, GZIP}),
-           "fast": frozenset({STORED, PACKED})}
+           "fast": frozenset({STORED, PACKED, PAIRS})}
+_HIGH_ONLY = {NIBBLE: NIBBLE_VERSION, PAIRS: PAIRS_VERSION}  # codings of a 2-byte element's high stream only
+_CODINGS = PAIRS + 1
 _ALLOWED = {m: np.isin(np.arange(256), sorted(c)) for m, c in CODINGS.items()}  # coding byte -> allowed?
 
 MAX_NDIM = 32
@@ -135,7 +140,8 @@ def version_for(method: str, codings: list[list[int]] | None = None) -> int:
     """The format version a frame of ``method`` whose streams have ``codings`` is written as:
     the oldest that can hold it."""
     if method == "fast":
-        return FAST_VERSION
+        pairs = codings is not None and any(PAIRS in row for row in codings)
+        return PAIRS_VERSION if pairs else FAST_VERSION
     nibble = method == "zstd" and codings is not None and any(NIBBLE in row for row in codings)
     return NIBBLE_VERSION if nibble else 1
 
@@ -155,7 +161,8 @@ def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTE
         newer = " (written by a newer kvshrink; upgrade to read it)" if version > FORMAT_VERSION else ""
         raise CodecError(f"unsupported frame format version {version}{newer}; this reader knows 1..{FORMAT_VERSION}")
     _check(method_id < len(METHODS), f"unknown method id {method_id}")
-    allowed = (1, NIBBLE_VERSION) if METHODS[method_id] == "zstd" else (version_for(METHODS[method_id]),)
+    allowed = {"zstd": (1, NIBBLE_VERSION), "fast": (FAST_VERSION, PAIRS_VERSION)}.get(
+        METHODS[method_id], (version_for(METHODS[method_id]),))
     _check(version in allowed, f"a {METHODS[method_id]} frame must be format version "
                                f"{' or '.join(map(str, allowed))}, not {version}")
     _check(container_id < len(CONTAINERS), f"unknown container id {container_id}")
@@ -222,17 +229,23 @@ def stream_length(header: FrameHeader, elements: int) -> int:
 
 def _validate_streams(method: str, version: int, codings: np.ndarray, sizes: np.ndarray, elements: int,
                       block_elems: int, width: int) -> None:
-    """Codings allowed for the method (a nibble-coded stream only where the format puts it);
-    stored streams exactly as long as their decoded bytes."""
+    """Codings allowed for the method (nibble-coded and code-pair streams only where the format
+    puts them); stored streams exactly as long as their decoded bytes."""
     if not codings.size:
         return
     if not _ALLOWED[method][codings].all():
         raise CodecError(f"a stream coding not allowed in a {method} frame: {sorted(set(codings.ravel().tolist()))}")
-    if (codings == NIBBLE).any():
-        _check(version == NIBBLE_VERSION, f"a nibble-coded stream in a format version {version} frame")
-        _check(width == 2 and codings.shape[1] == 2 and not (codings[:, 1] == NIBBLE).any()
-               and bool((codings[codings[:, 0] == NIBBLE, 1] == STORED).all()),
-               "a nibble-coded stream must be the high stream of a 2-byte element whose low stream is stored")
+    counts = np.bincount(codings.reshape(-1), minlength=_CODINGS).tolist()  # allowed: all below _CODINGS
+    for coding, needs in _HIGH_ONLY.items():
+        if counts[coding]:
+            name = "nibble-coded" if coding == NIBBLE else "code-pair"
+            _check(version == needs, f"a {name} stream in a format version {version} frame")
+            rows = codings[:, 0] == coding
+            _check(width == 2 and codings.shape[1] == 2 and int(rows.sum()) == counts[coding]
+                   and bool((codings[rows, 1] == STORED).all()),
+                   f"a {name} stream must be the high stream of a 2-byte element whose low stream is stored")
+    if method == "fast" and version == PAIRS_VERSION:
+        _check(counts[PAIRS] > 0, "a format version 4 fast frame without a code-pair stream")
     stream_width = width // codings.shape[1]
     stored = codings == STORED
     full = block_elems * stream_width

@@ -106,13 +106,18 @@ def encode_stream(stream: np.ndarray, max_size: int, alloc: Alloc = _empty) -> n
     return _encode(stream, np.empty(0, np.uint8), False, w, base, max_size, alloc)
 
 
+def choose_words(words: np.ndarray, rotate: bool) -> tuple[int, int, float]:
+    """``choose`` for the high bytes of 2-byte elements (uint16[n]; rotl1 first if ``rotate``),
+    from a sample of them."""
+    return choose(_histogram(words, rotate), words.size)
+
+
 def encode_words(words: np.ndarray, rotate: bool, max_size: int,
                  alloc: Alloc = _empty) -> tuple[np.ndarray | None, np.ndarray]:
     """Fused split of 2-byte elements (uint16[n]): (packed payload of the high bytes or None when
     not below ``max_size``, the low bytes as uint8[n]). ``rotate`` applies rotl1 first."""
     low = alloc(words.size)
-    hist = _histogram(words, rotate)
-    w, base, estimate = choose(hist, words.size)
+    w, base, estimate = choose_words(words, rotate)
     if estimate >= max_size:
         return None, _low_bytes(words, rotate, low)
     return _encode(words, low, rotate, w, base, max_size, alloc), low

@@ -3,9 +3,10 @@
 Why: a chunk the DRAM tier (fast) evicts is demoted to the SSD tier (dense) inside the put that
 evicted it, so its re-encoding is on a put's path. Decoding the whole chunk and encoding it again
 repeats work the fast frame already holds: its blocks keep the low bytes stored and only the
-exponent stream packed. Here only that stream is decoded (to bytes, not merged into elements) and
-nibble-coded; the low bytes and each block's checksum (of the decoded bytes, which do not change)
-are reused, and the frame keeps its transform and block size. The result decodes to the same
+exponent stream coded. A block of code pairs already holds the nibble coding's codes: only zstd
+runs, over the pair bytes. A block of packed planes has its exponents decoded (to bytes, not
+merged into elements) and nibble-coded. The low bytes and each block's checksum (of the decoded
+bytes, which do not change) are reused, and the frame keeps its transform and block size. The result decodes to the same
 array; it need not be byte-identical to ``encode(chunk, method="zstd")``.
 
 Threads: blocks are independent; any thread. Buffers: the returned blocks' stored payloads are
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvshrink.codec import backends, nibbles, packed
 from kvshrink.codec.blocks import EncodedBlock, take_scratch
-from kvshrink.codec.frame import NIBBLE, PACKED, STORED, ZSTD, FrameHeader, StreamTable, block_bounds
+from kvshrink.codec.frame import NIBBLE, PACKED, PAIRS, STORED, ZSTD, FrameHeader, StreamTable, block_bounds
 
 
 def fast_to_dense_applies(header: FrameHeader, table: StreamTable, method: str) -> bool:
@@ -28,7 +29,7 @@ def fast_to_dense_applies(header: FrameHeader, table: StreamTable, method: str) 
     2-byte elements split in two streams, the low one stored in every block."""
     if method != "zstd" or header.method != "fast" or header.itemsize != 2 or header.streams_per_block != 2:
         return False
-    return bool((table.codings[:, 1] == STORED).all() and np.isin(table.codings[:, 0], (PACKED, STORED)).all())
+    return bool((table.codings[:, 1] == STORED).all() and np.isin(table.codings[:, 0], (PAIRS, PACKED, STORED)).all())
 
 
 def dense_block(view: memoryview, header: FrameHeader, table: StreamTable, block: int, level: int,
@@ -39,7 +40,15 @@ def dense_block(view: memoryview, header: FrameHeader, table: StreamTable, block
     n = stop - start
     (hi_at, lo_at), (hi_len, lo_len) = table.offsets[block].tolist(), table.sizes[block].tolist()
     result = EncodedBlock(int(table.checksums[block]), [], [])
-    if table.codings[block, 0] == PACKED:
+    low = view[lo_at:lo_at + lo_len]
+    if table.codings[block, 0] == PAIRS:
+        coded = nibbles.dense_from_pairs(view[hi_at:hi_at + hi_len], n, level)
+        if coded is not None:
+            result.codings, result.payloads = [NIBBLE, STORED], [coded, low]
+            return result
+        high = take_scratch(result, n)  # a stream nibble coding does not take: its bytes, for plain zstd
+        nibbles.decode_pair_stream(view[hi_at:hi_at + hi_len], high)
+    elif table.codings[block, 0] == PACKED:
         high = take_scratch(result, n)
         packed.decode_stream(view[hi_at:hi_at + hi_len], high)
     else:
@@ -50,5 +59,5 @@ def dense_block(view: memoryview, header: FrameHeader, table: StreamTable, block
     else:
         compressed = backends.zstd_compress(high, level, hash_log)
         hi_coding, hi_payload = (ZSTD, compressed) if len(compressed) < n else (STORED, high)
-    result.codings, result.payloads = [hi_coding, STORED], [hi_payload, view[lo_at:lo_at + lo_len]]
+    result.codings, result.payloads = [hi_coding, STORED], [hi_payload, low]
     return result

@@ -7,15 +7,39 @@ and -0.0 count as different from anything but themselves.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
-from kvshrink.codec import Codec, CodecError, decode, encode, read_header
+from kvshrink.codec import Codec, CodecError, blocks, decode, encode, fast_frames, read_header
 from kvshrink.codec.dtypes import ArrayKind
 from kvshrink.codec.frame import pack_header, parse_header
+
+
+def encode_packed_fast(x: Any, **settings: Any) -> bytes:
+    """A fast frame of ``x`` whose fused exponent streams are packed planes, as every fast frame
+    was before code pairs (format version 2): the block path with code pairs turned off."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocks, "PAIRS_WIDTH", -1)
+        patch.setattr(fast_frames, "kernels", lambda: None)
+        with Codec(method="fast", **settings) as codec:
+            return codec.encode(x)
+
+
+def seal(header_without_checksum: bytes) -> bytes:
+    return header_without_checksum + struct.pack("<Q", xxhash.xxh3_64_intdigest(header_without_checksum))
+
+
+def reseal(blob: bytes, offset: int, value: bytes) -> bytes:
+    """``blob`` with bytes at ``offset`` replaced and the header checksum recomputed."""
+    header = read_header(blob)
+    body = bytearray(blob[:header.header_size - 8])
+    body[offset:offset + len(value)] = value
+    return seal(bytes(body)) + blob[header.header_size:]
 
 
 def raw_bytes(x: Any) -> bytes:

@@ -60,9 +60,9 @@ def test_header_says_what_decode_will_allocate(real_chunks):
     assert (header.container, header.dtype, header.shape) == ("torch", "bfloat16", tuple(kv.shape))
     assert header.raw_size == kv.numel() * 2 and header.frame_size == len(blob)
     assert header.ratio == pytest.approx(kv.numel() * 2 / len(blob))
-    assert header.format_version == 3  # nibble-coded exponents need version 3; fast frames version 2
-    assert read_header(encode(real_chunks[0][:, :1], method="fast")).format_version == 2
-    assert codec_api.FORMAT_VERSION == 3
+    assert header.format_version == 3  # nibble-coded exponents need version 3; fast code pairs version 4
+    assert read_header(encode(real_chunks[0][:, :1], method="fast")).format_version == 4
+    assert codec_api.FORMAT_VERSION == 4
 
 
 def test_encode_never_touches_the_callers_memory(real_chunks):

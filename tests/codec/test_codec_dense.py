@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from codec_harness import check_roundtrip, check_truncations_and_flips, rebuild
+from codec_harness import check_roundtrip, check_truncations_and_flips, encode_packed_fast, rebuild
 
 from kvshrink.codec import Codec, CodecError, decode, encode, frame, nibbles, read_header
-from kvshrink.codec.frame import NIBBLE, STORED, ZSTD, parse_header
+from kvshrink.codec.frame import NIBBLE, PAIRS, STORED, ZSTD, parse_header
 
 
 def test_real_kv_ratio_and_layout(real_chunks):
@@ -200,11 +200,12 @@ def test_truncations_and_byte_flips(real_chunks):
 
 
 def test_a_fast_frame_transcodes_to_dense_without_decoding(real_chunks):
-    """A demotion's re-coding: the exponents re-coded, the low bytes and block checksums reused;
-    the frame decodes to the same chunk and is as small as encoding it afresh."""
+    """A demotion's re-coding: the exponents re-coded (code pairs: only zstd over them; packed
+    planes: decoded to bytes and nibble-coded), the low bytes and block checksums reused; the frame
+    decodes to the same chunk and is as small as encoding it afresh."""
     with Codec(threads=2) as codec:
-        for chunk in real_chunks:
-            fast = codec.encode(chunk, method="fast")
+        for chunk, fast in [(c, codec.encode(c, method="fast")) for c in real_chunks] + \
+                [(real_chunks[0], encode_packed_fast(real_chunks[0], threads=2))]:
             dense = codec.transcode(fast, method="zstd")
             header, table = parse_header(memoryview(dense))
             assert (header.method, header.format_version) == ("zstd", 3)
@@ -227,20 +228,39 @@ def test_transcode_of_other_frames_decodes_and_encodes(real_chunks):
         assert codec.transcode(codec.encode(noise, method="fast"), method="zstd") == codec.encode(noise, method="zstd")
 
 
+def test_small_code_pair_blocks_transcode_through_their_bytes():
+    """A block of 20 elements in code pairs (14 bytes for 20 high bytes; our encoder leaves blocks
+    this small stored, a frame may still hold one): zstd over its 10 pair bytes would not pay, so
+    the transcode reads the high bytes and codes them the plain way."""
+    rng = np.random.default_rng(11)
+    x = ((rng.integers(100, 110, 400).astype(np.uint16) << 8) | rng.integers(0, 256, 400)).astype(np.uint16)
+    with Codec(threads=1, block_size=40, transform="none") as codec:
+        stored = codec.encode(x, method="fast")
+        _, table = parse_header(memoryview(stored))
+        payload, _ = nibbles.encode_pair_words(x[:20], False, 100, lambda n: np.empty(n, np.uint8))
+        codings = table.codings.tolist()
+        codings[0] = [PAIRS, STORED]
+        fast = rebuild(stored, 0, 0, payload.tobytes(), codings)
+        assert decode(fast).tobytes() == x.tobytes()
+        dense = codec.transcode(fast, method="zstd")
+        assert parse_header(memoryview(dense))[1].codings[0].tolist() == [STORED, STORED]
+        assert decode(dense).tobytes() == x.tobytes()
+
+
 def test_a_damaged_fast_frame_never_transcodes_to_wrong_bytes(real_chunks):
-    """Damage in the packed exponents fails the transcode; damage in the reused low bytes passes
-    it, and the dense frame then fails its (reused) checksum when read."""
+    """Damage in packed exponents may fail the transcode; damage in code pairs (handed to zstd
+    unread) or in the reused low bytes passes it, and the dense frame then fails its checks when read.    it, and the dense frame then fails its (reused) checksum when read."""
     kv = np.ascontiguousarray(real_chunks[0][:, :2, :64])
     with Codec(threads=1, block_size=8192) as codec:
-        fast = codec.encode(kv, method="fast")
-        _, table = parse_header(memoryview(fast))
-        for stream in (0, 1):
-            damaged = bytearray(fast)
-            damaged[int(table.offsets[1, stream]) + 40] ^= 0x10
-            try:
-                dense = codec.transcode(bytes(damaged), method="zstd")
-            except CodecError:
-                assert stream == 0
-                continue
-            with pytest.raises(CodecError, match="checksum"):
-                decode(dense)
+        for fast in (codec.encode(kv, method="fast"), encode_packed_fast(kv, threads=1, block_size=8192)):
+            _, table = parse_header(memoryview(fast))
+            for stream, flip in ((0, 0x10), (0, 0x01), (1, 0x10)):
+                damaged = bytearray(fast)
+                damaged[int(table.offsets[1, stream]) + 40] ^= flip
+                try:
+                    dense = codec.transcode(bytes(damaged), method="zstd")
+                except CodecError:
+                    assert stream == 0
+                    continue
+                with pytest.raises(CodecError, match="checksum|escape|exceptions"):
+                    decode(dense)

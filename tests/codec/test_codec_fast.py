@@ -1,4 +1,5 @@
-"""The ``fast`` method: packed exponent bytes (format version 2), bit-exact, hostile-proof, pinned.
+"""The ``fast`` method: exponent bytes as 4-bit code pairs (format version 4) or packed planes
+(version 2, still read and still written where another width fits), bit-exact, hostile-proof, pinned.
 
 Speed is measured by codec-bench, not here; these tests check what must hold on any machine: the
 bytes, the ratio on real KV, the frame layout, the numpy fallback and CodecError on bad frames.
@@ -11,11 +12,12 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from codec_harness import check_roundtrip, check_truncations_and_flips, rebuild
+from codec_harness import check_roundtrip, check_truncations_and_flips, encode_packed_fast, rebuild, reseal
 
-from kvshrink.codec import Codec, CodecArgumentError, CodecError, decode, encode, frame, packed, read_header
+from kvshrink.codec import Codec, CodecArgumentError, CodecError, decode, encode, fast_frames, frame, nibbles, packed, \
+    read_header
 from kvshrink.codec.dtypes import TORCH_DTYPE_WIDTHS
-from kvshrink.codec.frame import PACKED, STORED, parse_header
+from kvshrink.codec.frame import PACKED, PAIRS, STORED, parse_header
 
 NUMPY_DTYPES = ["bool", "int8", "uint8", "<u2", "<f2", "<f4", "<i8", "<f8", "<c8", "<c16", ">u2", ">f4"]
 
@@ -30,10 +32,36 @@ def test_real_kv_ratio_and_fused_layout(real_chunks):
     for chunk in real_chunks:
         blob = encode(chunk, method="fast")
         header, table = parse_header(memoryview(blob))
-        assert (header.method, header.format_version, header.transform) == ("fast", 2, "rotl1")
+        assert (header.method, header.format_version, header.transform) == ("fast", 4, "rotl1")
         assert chunk.nbytes / len(blob) >= 1.33
-        assert table.codings.tolist() == [[PACKED, STORED]] * header.nblocks  # exponents packed, mantissas stored
+        assert (table.codings[:, 1] == STORED).all()  # mantissas stored, exponents paired (a few blocks packed
+        paired = table.codings[:, 0] == PAIRS  # at width 3, a narrower window)
+        assert paired.sum() >= header.nblocks - 1
+        assert all(pairs_frame_width(blob, table, b) == 3 for b in np.nonzero(~paired)[0])
         assert decode(blob).tobytes() == chunk.tobytes()
+        packed_planes = encode_packed_fast(chunk)  # what version 2 wrote: the same size, still read
+        header, table = parse_header(memoryview(packed_planes))
+        assert header.format_version == 2 and (table.codings == [PACKED, STORED]).all()
+        assert len(packed_planes) == pytest.approx(len(blob), rel=0.002)
+        assert decode(packed_planes).tobytes() == chunk.tobytes()
+
+
+def pairs_frame_width(blob: bytes, table, block: int) -> int:
+    """The width byte of a packed high stream."""
+    return blob[int(table.offsets[block, 0])]
+
+
+def test_exponents_off_the_15_value_window_stay_packed():
+    """Exponents in a window of 7 values: packed at width 3 (a code pair would spend 4 bits), and
+    the frame stays version 2; one spread wider: width 5."""
+    rng = np.random.default_rng(3)
+    for spread, width in ((7, 3), (31, 5)):
+        x = ((rng.integers(100, 100 + spread, 200_000).astype(np.uint16) << 8) | rng.integers(0, 256, 200_000))
+        x = x.astype(np.uint16)
+        blob = check_roundtrip(x, codec=Codec(method="fast", transform="none", threads=1), method="fast")
+        header, table = parse_header(memoryview(blob))
+        assert header.format_version == 2 and set(table.codings[:, 0].tolist()) == {PACKED}
+        assert bytes(blob[table.offsets[0, 0]:table.offsets[0, 0] + 1]) == bytes([width])
 
 
 def test_real_kv_as_torch_and_float_widths(real_chunks):
@@ -132,7 +160,9 @@ def test_without_numba_the_same_frames(monkeypatch, real_chunks, threads):
         back = np.empty_like(kv)
         codec.decode(fast, out=back)
         assert back.tobytes() == kv.tobytes()
-        monkeypatch.setattr(packed, "_jit", lambda: None)
+        for module in (packed, nibbles):
+            monkeypatch.setattr(module, "_jit", lambda: None)
+        monkeypatch.setattr(fast_frames, "kernels", lambda: None)
         assert codec.encode(kv) == fast
         assert codec.decode(fast).tobytes() == kv.tobytes()
 
@@ -179,14 +209,59 @@ def test_older_readers_say_newer(monkeypatch, kv_slice):
     with pytest.raises(CodecError, match="newer"):
         decode(blob)
     monkeypatch.undo()
-    with pytest.raises(CodecError, match="must be format version 2"):
+    with pytest.raises(CodecError, match="must be format version 2 or 4"):
         decode(blob[:4] + b"\x01" + blob[5:])  # header checksum aside, the version is checked first
+    with pytest.raises(CodecError, match="code-pair stream in a format version 2 frame"):
+        decode(reseal(blob, 4, b"\x02"))
 
 
 @pytest.fixture(scope="module")
 def fast_frame(real_chunks) -> bytes:
+    """Blocks of 1024 elements whose exponents are packed planes (format version 2)."""
+    return encode_packed_fast(np.ascontiguousarray(real_chunks[0][:, :2, :16]), block_size=2048, threads=1)
+
+
+@pytest.fixture(scope="module")
+def pairs_frame(real_chunks) -> bytes:
+    """Blocks of 1024 elements whose exponents are code pairs (format version 4)."""
     with Codec(method="fast", block_size=2048, threads=1) as codec:
-        return codec.encode(np.ascontiguousarray(real_chunks[0][:, :2, :16]))
+        blob = codec.encode(np.ascontiguousarray(real_chunks[0][:, :2, :16]))
+    assert set(parse_header(memoryview(blob))[1].codings[:, 0].tolist()) == {PAIRS}
+    return blob
+
+
+@pytest.mark.parametrize("payload,match", [
+    (b"", "empty compressed stream"), (b"\x04\x00\x00", "does not fit"), (b"\x04\x00\x01\x00" + bytes(512), "invalid"),
+    (b"\x04\x00\x00\x00" + bytes(511), "does not fit"), (b"\x04\x00\x00\x00" + bytes(512 + 1025), "does not fit"),
+    (b"\x04\x00\x00\x00" + b"\xff" * 512 + bytes(512), "more escape codes"),
+    (b"\x04\x00\x00\x00" + b"\x0f" + bytes(511), "more escape codes"),
+    (b"\x04\x00\x00\x00" + bytes(512) + b"\x01\x02", "more exceptions"),
+    (b"\x04\x00\x00\x00" + bytes(512), "checksum"),
+])
+def test_hostile_pair_streams(pairs_frame, payload, match):
+    """Block 0 holds 1024 elements: code pairs take 512 bytes. Each payload fails on the compiled
+    path and on the block-by-block one."""
+    blob = rebuild(pairs_frame, 0, 0, payload)
+    with pytest.raises(CodecError, match=match):
+        decode(blob)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_frames, "kernels", lambda: None)
+        with pytest.raises(CodecError, match=match):
+            decode(blob)
+
+
+def test_code_pairs_only_where_they_belong(pairs_frame):
+    _, table = parse_header(memoryview(pairs_frame))
+    codings = table.codings.tolist()
+    low = bytes(pairs_frame[table.offsets[0, 1]:table.offsets[0, 1] + table.sizes[0, 1]])
+    swapped = [row[:] for row in codings]
+    swapped[0] = [STORED, PAIRS]
+    with pytest.raises(CodecError, match="code-pair stream must be the high stream"):
+        decode(rebuild(pairs_frame, 0, 1, low, swapped))
+    with pytest.raises(CodecError, match="not allowed in a zstd frame"):
+        decode(reseal(pairs_frame, 4, b"\x03\x01"))  # version 3, method zstd
+    with pytest.raises(CodecError, match="version 4 fast frame without a code-pair stream"):
+        decode(reseal(encode_packed_fast(np.ones(5000, np.uint16) + np.arange(5000, dtype=np.uint16) % 7), 4, b"\x04"))
 
 
 @pytest.mark.parametrize("payload,match", [
@@ -222,8 +297,10 @@ def test_truncations_and_byte_flips(real_chunks):
     check_truncations_and_flips(small)  # only padding bits are free
 
 
-def test_bounded_fuzz_generic_path(real_chunks):
-    x = (np.ascontiguousarray(real_chunks[1][:, :1, :24]).astype(np.uint32) << 16).view(np.float32)
+@pytest.mark.parametrize("layout", ["fp32: packed per stream", "bf16: code pairs"])
+def test_bounded_fuzz(real_chunks, layout):
+    kv = np.ascontiguousarray(real_chunks[1][:, :1, :24])
+    x = (kv.astype(np.uint32) << 16).view(np.float32) if layout.startswith("fp32") else kv
     rng = np.random.default_rng(27)
     with Codec(method="fast", block_size=4096, threads=2) as codec:
         blob0 = codec.encode(x)

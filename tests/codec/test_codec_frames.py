@@ -26,7 +26,7 @@ def test_manifest_matches_this_format_version():
 def test_the_pinned_set_covers_every_method_and_container():
     frames = MANIFEST["frames"].values()
     assert {f["method"] for f in frames} == {"zstd", "qat", "raw", "fast"}
-    assert {f["format_version"] for f in frames} == {1, 2, 3}
+    assert {f["format_version"] for f in frames} == {1, 2, 3, 4}
     assert {f["container"] for f in frames} == {"numpy", "torch"}
     assert {f["transform"] for f in frames} == {"none", "rotl1"}
     assert any(f["nblocks"] > 1 for f in frames) and any(f["raw_size"] == 0 for f in frames)

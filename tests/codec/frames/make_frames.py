@@ -42,6 +42,9 @@ def examples() -> dict[str, tuple[object, dict]]:
         # format version 2: the fast method's packed streams (fused 2-byte path, and the per-stream path)
         "kv_bf16_fast": (kv, {"method": "fast", "block_size": 4096}),
         "kv_f32_fast": (_bf16_to_f32(kv[:, :1]), {"method": "fast", "block_size": 8192}),
+        # format version 4: the fast method's exponents as 4-bit code pairs (kv_bf16_fast, written before
+        # version 4 with the same settings, keeps the packed planes written then)
+        "kv_bf16_fast_pairs": (kv, {"method": "fast", "block_size": 4096}),
         # format version 3: zstd frames whose exponent streams are nibble-coded (2-byte elements)
         "kv_bf16_dense": (kv, {"method": "zstd", "block_size": 4096}),
         "kv_bf16_dense_torch": (torch.from_numpy(kv.copy()).view(torch.bfloat16), {"method": "zstd"}),

@@ -1,0 +1,128 @@
+"""Compiled per-block loops of ``fast`` frames of 2-byte elements (numba): choose a block's
+exponent coding, encode it, check a whole frame's payload headers, decode blocks, with no Python
+between the steps of a block.
+
+Why here: a block's exponents are coded as 4-bit code pairs (``_nibblejit``'s kernels, the
+nibble coding stored) where the sample picks a window of 15 values, the case of real KV, and as
+packed bit planes of another width (``_packjit``) otherwise; this module sits above both.
+
+Threads: every kernel is ``nogil`` and shares no state. Buffers: kernels write only the arrays they
+are given. Errors: no bounds checks in the kernels; ``word_block_args`` checks every payload
+header against its block before any decode runs, and decode statuses report the first failing
+block. Importing this module raises ImportError when numba is missing.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kvshrink.codec import _nibblejit, _packjit
+
+PACKED, PAIRS = 3, 5  # == frame.PACKED, frame.PAIRS (frame is not imported into compiled code)
+PAIRS_WIDTH = 4  # the packed width whose window (15 values and an escape) the code pairs share
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_word_blocks(blob, hi_off, hi_len, lo_off, codings, widths, bases, planes_len, block_elems, out, rotate,
+                       first, stop):
+    """Decode the fused 2-byte blocks ``first..stop-1`` of a fast frame (``blob``: the whole frame as
+    uint8) into ``out`` (uint16, every element of the frame): code pairs or packed planes, as
+    ``codings`` says. Per-block arrays come from ``word_block_args`` (``planes_len``: bytes of the
+    planes or of the pairs), which ``fast_frames.WordBlocks`` validated; it calls this a block at a
+    time so that the block's checksum reads it from cache. Returns 0, or ``-(block * 4 + code)``
+    with code 1 / 2 for ERR_EXCEPTIONS / ERR_COUNT of the first failing block."""
+    n = out.size
+    for b in range(first, stop):
+        start = b * block_elems
+        m = min(block_elems, n - start)
+        ho, pl = hi_off[b], planes_len[b]
+        exc = blob[ho + 4 + pl:ho + hi_len[b]]
+        low, dst = blob[lo_off[b]:lo_off[b] + m], out[start:start + m]
+        if codings[b] == PAIRS:
+            status = _nibblejit.decode(blob[ho + 4:ho + 4 + pl], bases[b], exc, low, dst, rotate)
+        else:
+            status = _packjit.decode(blob[ho + 4:ho + 4 + pl].view(np.uint64), widths[b], bases[b], exc, low, dst,
+                                     rotate)
+        if status:
+            return -(b * 4 + (1 if status == _packjit.ERR_EXCEPTIONS else 2))
+    return 0
+
+
+@numba.njit(nogil=True, cache=True)
+def encode_word_blocks(words, rotate, block_elems, first, stop, slots, slot_size, escape_cost_bits, header,
+                       max_width, max_escapes, sample_runs, sample_run, results):
+    """Encode blocks ``first..stop-1`` of ``words`` (uint16, the whole input) as
+    ``blocks._encode_fast`` does, each into its slot of ``slots`` (uint8, ``slot_size`` bytes a
+    block: the payload from 0, the low bytes from ``slot_size - block_elems``): sampling, choice and
+    coding in one call without the GIL. ``results[b - first]`` gets (payload bytes, PAIRS or
+    PACKED), or (0, 0) when the coded high bytes would not be smaller than the block: the caller
+    encodes that block the general way. ``max_escapes``: the largest share of escapes code pairs
+    take (``nibbles.MAX_ESCAPE_SHARE``)."""
+    n = words.size
+    hist = np.empty(256, np.int64)
+    for b in range(first, stop):
+        start = b * block_elems
+        m = min(block_elems, n - start)
+        src = words[start:start + m]
+        slot = slots[(b - first) * slot_size:(b - first + 1) * slot_size]
+        low = slot[slot_size - block_elems:slot_size - block_elems + m]
+        hist[:] = 0
+        _packjit.histogram(src, rotate, sample_runs, sample_run, hist)
+        w, base, estimate = _packjit.choose(hist, m, escape_cost_bits, header, max_width)
+        results[b - first, 0] = 0
+        results[b - first, 1] = 0
+        if estimate >= m:
+            continue
+        if w == PAIRS_WIDTH:
+            pairs = (m + 1) // 2
+            ne = _nibblejit.encode(src, rotate, base, slot[header:header + pairs],
+                                   slot[header + pairs:slot_size - block_elems], low)
+            size = header + pairs + ne
+            if ne <= m * max_escapes and size < m:
+                slot[0], slot[1], slot[2], slot[3] = base, 0, 0, 0
+                results[b - first, 0] = size
+                results[b - first, 1] = PAIRS
+                continue
+        ne = -1
+        while ne < 0:  # width 0 that the sample missed a value for: width 1, as packed._encode
+            full, rest = m // _packjit.CHUNK, m % _packjit.CHUNK
+            planes = w * 8 * (full * (_packjit.CHUNK // 64) + (rest + 63) // 64)
+            ne = _packjit.encode(src, rotate, w, base, slot[header:header + planes].view(np.uint64),
+                                 slot[header + planes:slot_size - block_elems], low)
+            if ne < 0:
+                w = 1
+        slot[0], slot[1], slot[2], slot[3] = w, base, 0, 0
+        size = header + planes + ne
+        if size < m:
+            results[b - first, 0] = size
+            results[b - first, 1] = PACKED
+
+
+@numba.njit(nogil=True, cache=True)
+def word_block_args(blob, hi_off, hi_len, codings, block_elems, n, header, max_width, widths, bases, planes_len):
+    """Read each block's high-stream payload header (at ``hi_off``, ``hi_len`` bytes, coded as
+    ``codings`` says) into ``widths``, ``bases`` and ``planes_len`` (bytes of the planes or of the
+    code pairs) and check it as ``packed.check_payload`` / ``nibbles.check_pairs_payload`` do;
+    False at the first block that fails (its caller then takes the path that reports it)."""
+    for b in range(hi_off.size):
+        m = min(block_elems, n - b * block_elems)
+        size, at = hi_len[b], hi_off[b]
+        if size < header:
+            return False
+        if codings[b] == PAIRS:
+            w, planes = PAIRS_WIDTH, (m + 1) // 2
+            if blob[at + 1] or blob[at + 2] or blob[at + 3]:
+                return False
+            base = blob[at]
+        else:
+            w = np.int64(blob[at])
+            if w > max_width or blob[at + 2] or blob[at + 3]:
+                return False
+            planes = w * 8 * ((m // _packjit.CHUNK) * (_packjit.CHUNK // 64) + (m % _packjit.CHUNK + 63) // 64)
+            base = blob[at + 1]
+        exceptions = size - header - planes
+        if exceptions < 0 or exceptions > m or (w == 0 and exceptions):
+            return False
+        widths[b], bases[b], planes_len[b] = w, base, planes
+    return True
