@@ -111,7 +111,8 @@ def _encode(src: np.ndarray, rotate: bool, level: int, alloc: Alloc, low: np.nda
     return b"".join([HEADER.pack(base, len(compressed)), compressed, exc[:ne]])
 
 
-def encode_pair_words(words: np.ndarray, rotate: bool, base: int, alloc: Alloc) -> tuple[np.ndarray, np.ndarray] | None:
+def encode_pair_words(words: np.ndarray, rotate: bool, base: int,
+                      alloc: Alloc) -> tuple[np.ndarray, np.ndarray] | None:
     """(code-pair payload from ``alloc``, low bytes as uint8[n] from ``alloc``) of 2-byte elements
     (uint16[n]; ``rotate`` applies rotl1 first) coded from ``base`` (the sample's best window:
     ``choose_base``), or None when more than ``MAX_ESCAPE_SHARE`` of them escape or the payload

@@ -6,13 +6,14 @@ repeats work the fast frame already holds: its blocks keep the low bytes stored 
 exponent stream coded. A block of code pairs already holds the nibble coding's codes: only zstd
 runs, over the pair bytes. A block of packed planes has its exponents decoded (to bytes, not
 merged into elements) and nibble-coded. The low bytes and each block's checksum (of the decoded
-bytes, which do not change) are reused, and the frame keeps its transform and block size. The result decodes to the same
-array; it need not be byte-identical to ``encode(chunk, method="zstd")``.
+bytes, which do not change) are reused, and the frame keeps its transform and block size. The
+result decodes to the same array; it need not be byte-identical to ``encode(chunk, method="zstd")``.
 
 Threads: blocks are independent; any thread. Buffers: the returned blocks' stored payloads are
 views of the frame being transcoded, which must stay alive until they are written. Errors: a
-corrupt exponent stream raises CodecError here; damage the reused parts carry (the low bytes)
-still fails the reused checksum when the new frame is read, so it is never served.
+packed exponent stream that does not decode, or a payload that does not fit its block, raises
+CodecError here; damage in the parts handed on unread (low bytes, code pairs) fails the reused
+checksum, or the escape count, when the new frame is read, so it is never served.
 """
 
 from __future__ import annotations

@@ -249,7 +249,8 @@ def test_small_code_pair_blocks_transcode_through_their_bytes():
 
 def test_a_damaged_fast_frame_never_transcodes_to_wrong_bytes(real_chunks):
     """Damage in packed exponents may fail the transcode; damage in code pairs (handed to zstd
-    unread) or in the reused low bytes passes it, and the dense frame then fails its checks when read.    it, and the dense frame then fails its (reused) checksum when read."""
+    unread) or in the reused low bytes passes it, and the dense frame then fails its checks when
+    read (its reused checksum, or escapes and exceptions that disagree)."""
     kv = np.ascontiguousarray(real_chunks[0][:, :2, :64])
     with Codec(threads=1, block_size=8192) as codec:
         for fast in (codec.encode(kv, method="fast"), encode_packed_fast(kv, threads=1, block_size=8192)):
