@@ -18,9 +18,8 @@ import numba
 import numpy as np
 
 from kvshrink.codec import _nibblejit, _packjit
-
-PACKED, PAIRS = 3, 5  # == frame.PACKED, frame.PAIRS (frame is not imported into compiled code)
-PAIRS_WIDTH = 4  # the packed width whose window (15 values and an escape) the code pairs share
+from kvshrink.codec.frame import PACKED, PAIRS
+from kvshrink.codec.nibbles import PAIRS_WIDTH
 
 
 @numba.njit(nogil=True, cache=True)
@@ -86,8 +85,7 @@ def encode_word_blocks(words, rotate, block_elems, first, stop, slots, slot_size
                 continue
         ne = -1
         while ne < 0:  # width 0 that the sample missed a value for: width 1, as packed._encode
-            full, rest = m // _packjit.CHUNK, m % _packjit.CHUNK
-            planes = w * 8 * (full * (_packjit.CHUNK // 64) + (rest + 63) // 64)
+            planes = _packjit.planes_bytes(m, w)
             ne = _packjit.encode(src, rotate, w, base, slot[header:header + planes].view(np.uint64),
                                  slot[header + planes:slot_size - block_elems], low)
             if ne < 0:
@@ -119,7 +117,7 @@ def word_block_args(blob, hi_off, hi_len, codings, block_elems, n, header, max_w
             w = np.int64(blob[at])
             if w > max_width or blob[at + 2] or blob[at + 3]:
                 return False
-            planes = w * 8 * ((m // _packjit.CHUNK) * (_packjit.CHUNK // 64) + (m % _packjit.CHUNK + 63) // 64)
+            planes = _packjit.planes_bytes(m, w)
             base = blob[at + 1]
         exceptions = size - header - planes
         if exceptions < 0 or exceptions > m or (w == 0 and exceptions):

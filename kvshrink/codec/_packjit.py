@@ -31,6 +31,12 @@ _BYTE_MAGIC = np.uint64(0x0001020304050607)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def planes_bytes(n, w):
+    """Bytes of the bit planes of an ``n``-byte stream at width ``w`` (``packed.planes_size``)."""
+    return w * 8 * ((n // CHUNK) * (CHUNK // 64) + (n % CHUNK + 63) // 64)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _codes_from_planes(planes, w, codes):
     """codes[t*k + j] gets bit t of byte j of plane p as its bit p (``planes`` holds w planes of
     k bytes), eight bytes at a time: ``planes`` and ``codes`` are uint64 views."""
@@ -295,12 +301,11 @@ def choose(hist, n, escape_cost_bits, header, max_width):
     windows = np.empty((max_width + 1, 2), np.int64)
     best_windows(hist, windows)
     best_w, best_base, best_size, best_cost = 0, 0, float(n), np.inf
-    words = (n // CHUNK) * (CHUNK // 64) + (n % CHUNK + 63) // 64
     for w in range(max_width + 1):
         escapes = (total - windows[w, 1]) / total * n
         if w == 0 and escapes:
             continue
-        planes = w * 8 * words
+        planes = planes_bytes(n, w)
         cost = header + planes + escapes * escape_cost_bits / 8
         if cost < best_cost:
             best_w, best_base, best_size, best_cost = w, windows[w, 0], header + planes + escapes, cost

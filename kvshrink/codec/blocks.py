@@ -31,8 +31,6 @@ from kvshrink.codec import backends, byteplanes, fast_frames, nibbles, packed
 from kvshrink.codec.errors import CodecError
 from kvshrink.codec.frame import NIBBLE, PACKED, PAIRS, STORED, FrameHeader, StreamTable, block_bounds, stream_length
 
-PAIRS_WIDTH = 4  # the packed width whose window the code pairs share (== _fastjit.PAIRS_WIDTH)
-
 
 @dataclass(frozen=True)
 class EncodePlan:
@@ -116,7 +114,7 @@ def _encode_fast(rows: np.ndarray, plan: EncodePlan, checksum: int) -> EncodedBl
     if plan.nstreams == 2 and plan.attempt == (True, False):
         words = rows.reshape(-1).view("<u2")
         width, base, estimate = packed.choose_words(words, plan.rotate)
-        if width == PAIRS_WIDTH and estimate < elements:
+        if width == nibbles.PAIRS_WIDTH and estimate < elements:
             coded = nibbles.encode_pair_words(words, plan.rotate, base, alloc)
             if coded is not None:
                 block.codings, block.payloads = [PAIRS, STORED], list(coded)

@@ -139,11 +139,12 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
 def version_for(method: str, codings: list[list[int]] | None = None) -> int:
     """The format version a frame of ``method`` whose streams have ``codings`` is written as:
     the oldest that can hold it."""
+    def holds(coding: int) -> bool:
+        return codings is not None and any(coding in row for row in codings)
+
     if method == "fast":
-        pairs = codings is not None and any(PAIRS in row for row in codings)
-        return PAIRS_VERSION if pairs else FAST_VERSION
-    nibble = method == "zstd" and codings is not None and any(NIBBLE in row for row in codings)
-    return NIBBLE_VERSION if nibble else 1
+        return PAIRS_VERSION if holds(PAIRS) else FAST_VERSION
+    return NIBBLE_VERSION if method == "zstd" and holds(NIBBLE) else 1
 
 
 def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tuple[FrameHeader, StreamTable]:

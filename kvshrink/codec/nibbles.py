@@ -55,6 +55,7 @@ HEADER = struct.Struct("<B3xI")  # base, reserved, zstd frame length
 PAIRS_HEADER = 4  # a code-pair stream's: base, 3 reserved bytes
 ESCAPE = 15
 WINDOW = 15  # byte values a code names without an escape: base .. base + 14
+PAIRS_WIDTH = 4  # the packed width whose window is WINDOW (2**4 - 1): there the fast method stores code pairs
 MAX_ESCAPE_SHARE = 1 / 64  # beyond this share of escapes a block takes plain zstd (real KV: ~0.1 %)
 
 _kernels = LazyKernels("kvshrink.codec._nibblejit")
@@ -100,9 +101,7 @@ def _encode(src: np.ndarray, rotate: bool, level: int, alloc: Alloc, low: np.nda
     if outside > MAX_ESCAPE_SHARE:
         return None
     pairs, exc = alloc((n + 1) // 2), alloc(n)
-    jit = _jit()
-    ne = jit.encode(src, rotate, base, pairs, exc, low) if jit is not None else \
-        _np_encode(src, rotate, base, pairs, exc, low)
+    ne = _code(src, rotate, base, pairs, exc, low)
     if ne > n * MAX_ESCAPE_SHARE:
         return None
     compressed = backends.zstd_compress(pairs, level, None)  # zstd's own match finder: see module docstring
@@ -123,9 +122,7 @@ def encode_pair_words(words: np.ndarray, rotate: bool, base: int,
     out[:PAIRS_HEADER] = (base, 0, 0, 0)
     pairs = out[PAIRS_HEADER:PAIRS_HEADER + (n + 1) // 2]
     exc = out[PAIRS_HEADER + pairs.size:]
-    jit = _jit()
-    ne = jit.encode(words, rotate, base, pairs, exc, low) if jit is not None else \
-        _np_encode(words, rotate, base, pairs, exc, low)
+    ne = _code(words, rotate, base, pairs, exc, low)
     size = PAIRS_HEADER + pairs.size + ne
     if ne > n * MAX_ESCAPE_SHARE or size >= n:
         return None
@@ -139,11 +136,7 @@ def decode_pair_words(payload: memoryview, low: np.ndarray, words: np.ndarray, r
     if low.size != n:
         raise CodecError(f"low-byte stream holds {low.size} bytes, its block {n}")
     base, pairs, exc = check_pairs_payload(payload, n)
-    jit = _jit()
-    status = jit.decode(pairs, base, exc, low, words, rotate) if jit is not None else \
-        _np_decode(pairs, base, exc, low, words, rotate)
-    if status:
-        raise packed.kernel_error(status)
+    _rebuild(pairs, base, exc, low, words, rotate)
 
 
 def check_pairs_payload(payload: memoryview, n: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -182,11 +175,7 @@ def decode_words(payload: memoryview, low: np.ndarray, words: np.ndarray, rotate
         raise CodecError(f"low-byte stream holds {low.size} bytes, its block {n}")
     base, frame, exc = check_payload(payload, n)
     pairs = backends.zstd_decompress_into(frame, scratch[:(n + 1) // 2])
-    jit = _jit()
-    status = jit.decode(pairs, base, exc, low, words, rotate) if jit is not None else \
-        _np_decode(pairs, base, exc, low, words, rotate)
-    if status:
-        raise packed.kernel_error(status)
+    _rebuild(pairs, base, exc, low, words, rotate)
 
 
 def check_payload(payload: memoryview, n: int) -> tuple[int, memoryview, np.ndarray]:
@@ -217,6 +206,23 @@ def decode_pair_stream(payload: memoryview, out: np.ndarray) -> None:
 
 
 # -- kernels: numba when importable, else the numpy reference ---------------------------------------
+def _code(src: np.ndarray, rotate: bool, base: int, pairs: np.ndarray, exc: np.ndarray, low: np.ndarray) -> int:
+    """The encode kernel (see ``_np_encode``): the number of exception bytes."""
+    jit = _jit()
+    return jit.encode(src, rotate, base, pairs, exc, low) if jit is not None else \
+        _np_encode(src, rotate, base, pairs, exc, low)
+
+
+def _rebuild(pairs: np.ndarray, base: int, exc: np.ndarray, low: np.ndarray, words: np.ndarray,
+             rotate: bool) -> None:
+    """The decode kernel (see ``_np_decode``); CodecError when escapes and exceptions disagree."""
+    jit = _jit()
+    status = jit.decode(pairs, base, exc, low, words, rotate) if jit is not None else \
+        _np_decode(pairs, base, exc, low, words, rotate)
+    if status:
+        raise packed.kernel_error(status)
+
+
 def _np_encode(src: np.ndarray, rotate: bool, base: int, pairs: np.ndarray, exc: np.ndarray,
                low: np.ndarray) -> int:
     """numpy reference of the encode kernel (uint16 words with ``low``, or uint8 bytes)."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 import xxhash
 
-from kvshrink.codec import Codec, CodecError, blocks, decode, encode, fast_frames, read_header
+from kvshrink.codec import Codec, CodecError, decode, encode, fast_frames, nibbles, read_header
 from kvshrink.codec.dtypes import ArrayKind
 from kvshrink.codec.frame import pack_header, parse_header
 
@@ -24,7 +24,7 @@ def encode_packed_fast(x: Any, **settings: Any) -> bytes:
     """A fast frame of ``x`` whose fused exponent streams are packed planes, as every fast frame
     was before code pairs (format version 2): the block path with code pairs turned off."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(blocks, "PAIRS_WIDTH", -1)
+        patch.setattr(nibbles, "PAIRS_WIDTH", -1)
         patch.setattr(fast_frames, "kernels", lambda: None)
         with Codec(method="fast", **settings) as codec:
             return codec.encode(x)
