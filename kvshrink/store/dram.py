@@ -22,18 +22,13 @@ arena, the size asked and the free space), not a SIGBUS after some puts. Damaged
 found when the owner opens the arena, or when it frees a block, are counted as ``quarantined``
 and logged; their chunks are gone, never listed or evicted (see :mod:`kvshrink.store.arena`).
 
-Huge pages (``madvise(MADV_HUGEPAGE)`` on the shared mapping) and ``mlock`` are requests: when the
-kernel refuses, the tier runs on normal, unlocked pages and says so once in the log. The pages
-are reserved (``posix_fallocate``) before the mapping is advised, so whether they are huge is up
-to the tmpfs mount (``huge=``) or khugepaged.
+Page requests on the arena's mapping (huge pages, ``mlock``, ``prefault``): see
+:mod:`kvshrink.store.arena_pages`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
-import mmap
 import re
 import threading
 import time
@@ -46,6 +41,7 @@ import numpy as np
 
 from kvshrink.errors import ConfigError, CorruptDataError, StoreUnavailableError
 from kvshrink.store.arena import SUPERBLOCK, Arena, Block, block_size_for
+from kvshrink.store.arena_pages import advise_hugepages, lock_in_ram, prefault
 from kvshrink.store.arena_space import Room
 from kvshrink.store.config import TierConfig
 from kvshrink.store.dram_blocks import BlockTable
@@ -54,11 +50,9 @@ from kvshrink.store.tier_base import Buffer, KeepVictims, Tier, TierFullError, V
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 _RESCAN_INTERVAL_S = 0.1
 _DOOMED_WAIT_S = 5.0  # longest a writer waits for a read of an evicted block to finish
 _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -68,6 +62,7 @@ class DramTierConfig(TierConfig):
     shm_name: str = ""
     hugepages: bool = False
     mlock: bool = False
+    prefault: bool = True
 
     codec_by_default = "fast"  # loads wait on the hot tier: see configs/store-default.yaml
 
@@ -79,12 +74,6 @@ class DramTierConfig(TierConfig):
             raise ConfigError(f"{prefix}.shm_name", f"use letters, digits, '.', '_' or '-' only, got {shm_name!r}")
         out["shm_name"] = shm_name
         return out
-
-
-def _warn_once(topic: str, message: str, *args: object) -> None:
-    if topic not in _warned:
-        _warned.add(topic)
-        log.warning(message, *args)
 
 
 def arena_path(config: DramTierConfig) -> Path:
@@ -110,8 +99,9 @@ class DramTier(Tier):
         except CorruptDataError as exc:
             raise CorruptDataError(f"tier {self.name}: {exc}") from exc
         self.capacity_bytes = self._arena.size - SUPERBLOCK
-        self.hugepages = _advise_hugepages(self._arena.mm) if config.hugepages else False
-        self.mlocked = _mlock(self._arena.mm, self._arena.size) if config.mlock and not readonly else False
+        self.hugepages = advise_hugepages(self._arena.mm) if config.hugepages else False
+        self.mlocked = lock_in_ram(self._arena.mm, self._arena.size) if config.mlock and not readonly else False
+        self.prefaulted = prefault(self._arena.mm, self.name) if config.prefault and not readonly else False
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a block evicted while being read came back
         self._table = BlockTable(self._arena, config.eviction, self._count_damage)  # under _lock
@@ -277,7 +267,8 @@ class DramTier(Tier):
             return self._table.frame_bytes, len(self._table.blocks)
 
     def extra_stats(self) -> dict[str, Any]:
-        return {"hugepages": self.hugepages, "mlocked": self.mlocked, "path": str(self.path)}
+        return {"hugepages": self.hugepages, "mlocked": self.mlocked, "prefaulted": self.prefaulted,
+                "path": str(self.path)}
 
     def close(self) -> None:
         if self._arena is None:
@@ -355,34 +346,3 @@ class DramTier(Tier):
         self.counters.add("quarantined")
         log.warning("tier %s: arena %s: the header of the block at offset %d was damaged while in use; "
                     "freed by its indexed size", self.name, self.path, offset)
-
-
-def _advise_hugepages(mm: mmap.mmap) -> bool:
-    """Ask for huge pages on the shared mapping; False (said once in the log) when refused."""
-    policy = THP_SHMEM.read_text().split("[")[-1].split("]")[0] if THP_SHMEM.exists() else "absent"
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError) as exc:
-        _warn_once("hugepages", "DRAM tier: huge pages refused (%s); using normal pages", exc)
-        return False
-    if policy not in ("always", "within_size", "advise", "force"):
-        _warn_once("hugepages", "DRAM tier: huge pages refused by the kernel (shmem_enabled=%s); "
-                   "using normal pages", policy)
-        return False
-    return True
-
-
-def _mlock(mm: mmap.mmap, size: int) -> bool:
-    """Lock the mapping's pages in RAM; False (said once in the log) when refused."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        rc = libc.mlock(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size))
-    finally:
-        del anchor
-    if rc != 0:
-        err = ctypes.get_errno()
-        _warn_once("mlock", "DRAM tier: mlock of %d bytes refused (%s); pages may be swapped out",
-                   size, errno.errorcode.get(err, err))
-        return False
-    return True

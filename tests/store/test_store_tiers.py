@@ -56,6 +56,18 @@ class TierFactory:
                 tier.path.unlink(missing_ok=True)
 
 
+def _mapped_rss(path: Path) -> int:
+    """Bytes of ``path``'s mapping in this process that are resident (``Rss`` in /proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's first line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            rss += int(fields[1]) * 1024
+    return rss
+
+
 def _flip(data: bytearray) -> None:
     middle = len(data) // 2
     for i in range(middle, middle + 64):
@@ -133,18 +145,34 @@ class TestDramTier(TierContract):
     def test_hugepages_and_mlock_fall_back_with_one_log_line(self, factory, caplog):
         import logging
 
-        from kvshrink.store import dram
+        from kvshrink.store import arena_pages
 
-        dram._warned.clear()
+        arena_pages._warned.clear()
         with caplog.at_level(logging.WARNING, logger="kvshrink.store.dram"):
             tier = factory.make(hugepages=True, mlock=True)
             tier2 = factory.make(capacity=8 * MiB, hugepages=True)
         assert tier.stats()["kind"] == "dram"
-        policy = dram.THP_SHMEM.read_text() if dram.THP_SHMEM.exists() else "[never]"
+        policy = arena_pages.THP_SHMEM.read_text() if arena_pages.THP_SHMEM.exists() else "[never]"
         if "[never]" in policy or "[deny]" in policy:
             assert tier.hugepages is False and tier2.hugepages is False
             assert sum("huge pages refused" in r.message for r in caplog.records) == 1
         assert isinstance(tier.mlocked, bool)
+
+    def test_prefault_maps_every_page_of_the_arena_at_open(self, factory):
+        """With ``prefault`` the whole arena is resident in this process's page tables before the
+        first put (a put then copies into mapped pages, not into page faults); without it only the
+        pages touched so far are. Measured as the mapping's Rss in /proc/self/smaps."""
+        if tuple(int(p) for p in os.uname().release.split(".")[:2] if p.isdigit()) < (5, 14):
+            pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
+        size = 64 * MiB
+        lazy = factory.make(capacity=size, prefault=False)
+        eager = factory.make(capacity=size)
+        assert eager.prefaulted is True and lazy.prefaulted is False
+        assert eager.stats()["prefaulted"] is True
+        assert _mapped_rss(eager.path) >= size - MiB
+        assert _mapped_rss(lazy.path) < size // 4
+        put(eager, b"after", np.arange(1 << 20, dtype=np.uint16).reshape(256, 4096))  # an ordinary tier still
+        assert eager.keys() == [b"after"]
 
     def test_mlock_refused_without_cap_ipc_lock(self, shm_name, tmp_path):
         """Run a tier in a child without CAP_IPC_LOCK and an 8 MiB RLIMIT_MEMLOCK: mlock of a

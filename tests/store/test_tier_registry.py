@@ -129,7 +129,7 @@ def test_an_unknown_kind_lists_the_registered_ones():
 
 @pytest.mark.parametrize(("tier", "key", "allowed"), [
     ({"kind": "dict", "capacity": 1, "shm_name": "x"}, "tiers[0].shm_name", set()),
-    ({"kind": "dram", "capacity": 1, "path": "/x"}, "tiers[0].path", {"shm_name", "hugepages", "mlock"}),
+    ({"kind": "dram", "capacity": 1, "path": "/x"}, "tiers[0].path", {"shm_name", "hugepages", "mlock", "prefault"}),
     ({"kind": "ssd", "capacity": 1, "path": "/x", "url": "redis://h"}, "tiers[0].url", {"path", "fsync"}),
     ({"kind": "redis", "url": "redis://h", "fsync": False}, "tiers[0].fsync",
      {"url", "cluster", "ttl_s", "timeout_s", "retries", "namespace"}),
