@@ -27,27 +27,29 @@ def churn():  # what the put workers do: encode real chunks on two threads, fram
     for t in threads: t.join()
 churn()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-churn()
-print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, pages)
+for _ in range(ROUNDS):
+    churn()
+print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // ROUNDS, pages)
 """
+ROUNDS = 4  # churns averaged after the warm-up: one churn's faults vary 0-2000 with thread interleaving
 
 
 def _run(mode: str, **env: str) -> tuple[str, int, int]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-    out = subprocess.run([sys.executable, "-c", CHURN, mode], env={**environ, **env}, capture_output=True,
-                         text=True, timeout=60, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", f"ROUNDS = {ROUNDS}\n" + CHURN, mode], env={**environ, **env},
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
     return out[0], int(out[1]), int(out[2])
 
 
 def test_freed_chunk_buffers_are_reused_without_page_faults():
     applied, faults, pages = _run("tuned")
-    _, untuned, _ = _run("plain")
     assert applied == "True"
     # 8 encodes of 5.9 MB chunks fault in thousands of fresh pages each when freed memory goes
-    # back to the kernel; tuned, most of them are reused warm: far fewer faults than untuned, or
-    # (where glibc's own dynamic thresholds already keep the memory) under a quarter of the pages
-    # the frames take
-    assert faults * 4 < untuned or faults * 4 < pages, (faults, untuned, pages)
+    # back to the kernel (the warm-up churn: ~25,000); tuned, a churn after it reuses them warm:
+    # on average under a quarter of the pages its frames take. (glibc's own dynamic mmap
+    # threshold now keeps the same memory in this churn untuned, so the two are not compared:
+    # one churn's faults varied 0-2,000 either way with the threads' interleaving.)
+    assert faults * 4 < pages, (faults, pages)
 
 
 def test_the_users_malloc_settings_win():
