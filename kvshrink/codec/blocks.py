@@ -136,27 +136,41 @@ def encode_fast_words(rows: np.ndarray, plan: EncodePlan, first: int, stop: int)
     ``nogil`` kernel call (through ``_encode_fast`` a block paid ~20 us of Python under the GIL).
     One pooled buffer holds the group's payloads; the first block's ``release`` gives it back.
     Needs the compiled kernels."""
-    kernels = fast_frames.kernels()
-    words = rows.reshape(-1).view("<u2")
-    slot = packed.encode_buffer_size(plan.block_elems) + plan.block_elems
+    slot = fast_word_slot(plan)
     slots = _scratch.take(slot * (stop - first))
-    results = np.empty((stop - first, 2), np.int64)
+    result = np.empty((1, 2), np.int64)
     blocks = []
     for b in range(first, stop):  # a call per block: its checksum reads it while it is still in cache
         block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
-        kernels.encode_word_blocks(words, plan.rotate, plan.block_elems, b, b + 1, slots[(b - first) * slot:], slot,
-                                   packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE,
-                                   packed.SAMPLE_RUNS, packed.SAMPLE_RUN, results[b - first:])
-        size, coding = results[b - first].tolist()
+        at = (b - first) * slot
+        size, coding = encode_fast_word_block(rows, plan, b, slots[at:at + slot], result)
         if not coding:  # high bytes not worth coding here: the general path stores them
             blocks.append(encode_block(block_rows, plan))
             continue
-        at = (b - first) * slot
         low = at + slot - plan.block_elems
         blocks.append(EncodedBlock(xxhash.xxh3_64_intdigest(block_rows), [coding, STORED],
                                    [slots[at:at + size], slots[low:low + block_rows.shape[0]]]))
     blocks[0].scratch.append(slots)
     return blocks
+
+
+def fast_word_slot(plan: EncodePlan) -> int:
+    """Bytes one block of ``encode_fast_word_block`` writes at most: the high-byte payload from
+    the slot's start, the low bytes in its last ``block_elems`` bytes."""
+    return packed.encode_buffer_size(plan.block_elems) + plan.block_elems
+
+
+def encode_fast_word_block(rows: np.ndarray, plan: EncodePlan, b: int, slot: np.ndarray,
+                           result: np.ndarray) -> tuple[int, int]:
+    """Block ``b`` of ``rows`` into ``slot`` (``fast_word_slot`` bytes): (high payload bytes,
+    PAIRS or PACKED), or (0, 0) when its high bytes are not worth coding (then nothing useful was
+    written). ``result``: an int64[1, 2] the kernel writes."""
+    fast_frames.kernels().encode_word_blocks(
+        rows.reshape(-1).view("<u2"), plan.rotate, plan.block_elems, b, b + 1, slot, slot.size,
+        packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE, packed.SAMPLE_RUNS,
+        packed.SAMPLE_RUN, result)
+    size, coding = result[0].tolist()
+    return size, coding
 
 
 def fast_words_apply(plan: EncodePlan) -> bool:

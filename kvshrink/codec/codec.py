@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, transcode
+from kvshrink.codec import backends, byteplanes, dtypes, fast_frames, frame_writer, in_place, transcode
 from kvshrink.codec.blocks import EncodePlan, decode_block, encode_block, encode_fast_words, fast_words_apply
 from kvshrink.codec.cpu_budget import CpuBudget
 from kvshrink.codec.cpu_budget import budget as _process_budget
@@ -121,6 +121,9 @@ class Codec:
         nblocks = block_count(kind.size, block_elems)
         threads, parallel = self.threads, _parallel(nblocks, kind.nbytes)
         groups = _groups(nblocks, threads if parallel else 1)
+        if fast_words_apply(plan) and into is None and in_place.available():  # no copy of the payloads
+            return in_place.encode_fast_frame(rows, plan, kind, "rotl1" if rotate else "none", groups,
+                                              lambda count, work: self.budget.run(count, work, threads, parallel))
         if fast_words_apply(plan):  # one kernel call per group of blocks
             blocks = [blk for group in self.budget.run(len(groups), lambda g: encode_fast_words(rows, plan, *groups[g]),
                                                     threads, parallel) for blk in group]

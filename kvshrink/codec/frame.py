@@ -136,6 +136,12 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
 
+def header_size(kind: ArrayKind, streams_per_block: int, nblocks: int) -> int:
+    """Bytes of the header :func:`pack_header` writes for ``nblocks`` blocks of ``kind``."""
+    nstreams = nblocks * streams_per_block
+    return _FIXED.size + len(kind.dtype) + 8 * len(kind.shape) + 8 * nblocks + nstreams + 4 * nstreams + _U64.size
+
+
 def version_for(method: str, codings: list[list[int]] | None = None) -> int:
     """The format version a frame of ``method`` whose streams have ``codings`` is written as:
     the oldest that can hold it."""

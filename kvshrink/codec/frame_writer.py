@@ -37,6 +37,11 @@ except (AttributeError, ValueError):  # not CPython
     _from_size = None
 
 
+def can_make_fresh_bytes() -> bool:
+    """Whether :func:`fresh_bytes` works here (CPython)."""
+    return _from_size is not None
+
+
 def fresh_bytes(size: int) -> tuple[bytes, np.ndarray] | None:
     """A new, not yet initialised ``bytes`` of ``size`` bytes and a writable uint8 view of it,
     to be filled completely before the bytes object is used; None where that cannot be done."""
@@ -79,7 +84,7 @@ def write(dest: np.ndarray, header: bytes, payloads: Sequence[Sequence[Any]], gr
         for b in range(edges[g], edges[g + 1]):
             at = starts[b]
             for p in payloads[b]:
-                src = np.frombuffer(p, np.uint8) if not isinstance(p, np.ndarray) else p.reshape(-1).view(np.uint8)
+                src = payload_bytes(p)
                 if jit is not None:
                     jit.copy_bytes(src, dest[at:at + src.size])
                 else:
@@ -87,3 +92,10 @@ def write(dest: np.ndarray, header: bytes, payloads: Sequence[Sequence[Any]], gr
                 at += src.size
 
     run_groups(groups, copy_group)
+
+
+def payload_bytes(payload: Any) -> np.ndarray:
+    """A block payload (``bytes`` or an array) as a flat uint8 view, no copy."""
+    if isinstance(payload, np.ndarray):
+        return payload.reshape(-1).view(np.uint8)
+    return np.frombuffer(payload, np.uint8)

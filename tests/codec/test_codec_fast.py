@@ -7,6 +7,7 @@ bytes, the ratio on real KV, the frame layout, the numpy fallback and CodecError
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
 
 import numpy as np
@@ -14,8 +15,8 @@ import pytest
 import torch
 from codec_harness import check_roundtrip, check_truncations_and_flips, encode_packed_fast, rebuild, reseal
 
-from kvshrink.codec import Codec, CodecArgumentError, CodecError, decode, encode, fast_frames, frame, nibbles, packed, \
-    read_header
+from kvshrink.codec import Codec, CodecArgumentError, CodecError, decode, encode, fast_frames, frame, in_place, nibbles, \
+    packed, read_header
 from kvshrink.codec.dtypes import TORCH_DTYPE_WIDTHS
 from kvshrink.codec.frame import PACKED, PAIRS, STORED, parse_header
 
@@ -186,6 +187,64 @@ def test_encode_into_a_callers_buffer(real_chunks):
             codec.encode(kv, into=lambda size: bytearray(size + 1))
         with pytest.raises(CodecArgumentError, match="writable"):
             codec.encode(kv, into=lambda size: bytes(size))
+
+
+@pytest.mark.parametrize(("threads", "block_size"), [(1, 512 << 10), (2, 512 << 10), (4, 64 << 10)])
+def test_frames_built_in_place_are_the_scratch_paths_bytes(monkeypatch, real_chunks, threads, block_size):
+    """A fast frame written straight into its bytes (``in_place``: groups placed behind each
+    other or at their worst-case offsets, then moved down, the object shrunk) is byte for byte
+    the frame the scratch path joins, for whole and partial blocks, blocks the general path
+    encodes (random bytes amid real KV), and concurrent groups; it is a plain ``bytes`` with no
+    other reference, holding no more memory than its length."""
+    used = []
+    monkeypatch.setattr(in_place, "encode_fast_frame", _counted(in_place.encode_fast_frame, used))
+    mixed = np.ascontiguousarray(real_chunks[0]).reshape(-1).copy()
+    mixed[300_000:700_000] = np.random.default_rng(7).integers(0, 1 << 16, 400_000, dtype=np.uint16)
+    inputs = [real_chunks[1], np.ascontiguousarray(real_chunks[2][:, :3, :201]), mixed, mixed[:12_345]]
+    with Codec(method="fast", threads=threads, block_size=block_size) as codec:
+        for kv in inputs:
+            codec.encode(kv)  # helper threads and their first allocations are not the frame's
+            tracemalloc.start()
+            try:
+                frame = codec.encode(kv)
+                held = tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+            scratch = codec.encode(kv, into=lambda size: np.empty(size, np.uint8)).tobytes()
+            assert type(frame) is bytes and frame == scratch
+            assert sys.getrefcount(frame) == 2  # this name and the call's argument
+            assert held < len(frame) + (64 << 10)  # shrunk in place: the worst-case size is gone
+            assert codec.decode(frame).tobytes() == kv.tobytes()
+    assert len(used) == 2 * len(inputs)
+    codings = parse_header(memoryview(codec.encode(mixed)))[1].codings[:, 0]
+    assert (codings == PAIRS).any() and (codings != PAIRS).any()  # both kinds of block were in it
+
+
+def test_in_place_groups_are_moved_down_in_order():
+    """Groups that finished out of order, some behind their predecessor and some at their
+    worst-case offset, end up back to back after the header in group order."""
+    layout = in_place._Layout(head=4, slot=10, groups=[(0, 1), (1, 2), (2, 3)])
+    dest = np.zeros(40, np.uint8)
+    first = layout.start(0)
+    second = layout.start(1)  # group 0 still running: its own worst-case offset
+    assert (first, second) == (4, 14)
+    dest[second:second + 3] = 2
+    layout.finished(1, second, 3)
+    third = layout.start(2)  # right behind group 1, which is done
+    assert third == 17
+    dest[third:third + 5] = 3
+    layout.finished(2, third, 5)
+    dest[first:first + 7] = 1
+    layout.finished(0, first, 7)
+    assert layout.compact(dest) == 4 + 7 + 3 + 5
+    assert dest[4:19].tolist() == [1] * 7 + [2] * 3 + [3] * 5
+
+
+def _counted(fn, calls):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def test_decode_into_out_allocates_no_full_copy(real_chunks):
