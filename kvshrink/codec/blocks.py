@@ -139,11 +139,12 @@ def encode_fast_words(rows: np.ndarray, plan: EncodePlan, first: int, stop: int)
     slot = fast_word_slot(plan)
     slots = _scratch.take(slot * (stop - first))
     result = np.empty((1, 2), np.int64)
+    words = rows.reshape(-1).view("<u2")
     blocks = []
     for b in range(first, stop):  # a call per block: its checksum reads it while it is still in cache
         block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
         at = (b - first) * slot
-        size, coding = encode_fast_word_block(rows, plan, b, slots[at:at + slot], result)
+        size, coding = encode_fast_word_block(words, plan, b, slots[at:at + slot], result)
         if not coding:  # high bytes not worth coding here: the general path stores them
             blocks.append(encode_block(block_rows, plan))
             continue
@@ -160,13 +161,13 @@ def fast_word_slot(plan: EncodePlan) -> int:
     return packed.encode_buffer_size(plan.block_elems) + plan.block_elems
 
 
-def encode_fast_word_block(rows: np.ndarray, plan: EncodePlan, b: int, slot: np.ndarray,
+def encode_fast_word_block(words: np.ndarray, plan: EncodePlan, b: int, slot: np.ndarray,
                            result: np.ndarray) -> tuple[int, int]:
-    """Block ``b`` of ``rows`` into ``slot`` (``fast_word_slot`` bytes): (high payload bytes,
-    PAIRS or PACKED), or (0, 0) when its high bytes are not worth coding (then nothing useful was
-    written). ``result``: an int64[1, 2] the kernel writes."""
+    """Block ``b`` of ``words`` (uint16, the whole input) into ``slot`` (``fast_word_slot``
+    bytes): (high payload bytes, PAIRS or PACKED), or (0, 0) when its high bytes are not worth
+    coding (then nothing useful was written). ``result``: an int64[1, 2] the kernel writes."""
     fast_frames.kernels().encode_word_blocks(
-        rows.reshape(-1).view("<u2"), plan.rotate, plan.block_elems, b, b + 1, slot, slot.size,
+        words, plan.rotate, plan.block_elems, b, b + 1, slot, slot.size,
         packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE, packed.SAMPLE_RUNS,
         packed.SAMPLE_RUN, result)
     size, coding = result[0].tolist()

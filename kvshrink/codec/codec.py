@@ -121,10 +121,10 @@ class Codec:
         nblocks = block_count(kind.size, block_elems)
         threads, parallel = self.threads, _parallel(nblocks, kind.nbytes)
         groups = _groups(nblocks, threads if parallel else 1)
-        if fast_words_apply(plan) and into is None and in_place.available():  # no copy of the payloads
-            return in_place.encode_fast_frame(rows, plan, kind, "rotl1" if rotate else "none", groups,
-                                              lambda count, work: self.budget.run(count, work, threads, parallel))
         if fast_words_apply(plan):  # one kernel call per group of blocks
+            if into is None and in_place.available():  # straight into the frame: no copy of the payloads
+                return in_place.encode_fast_frame(rows, plan, kind, "rotl1" if rotate else "none", groups,
+                                                  lambda count, work: self.budget.run(count, work, threads, parallel))
             blocks = [blk for group in self.budget.run(len(groups), lambda g: encode_fast_words(rows, plan, *groups[g]),
                                                     threads, parallel) for blk in group]
         else:

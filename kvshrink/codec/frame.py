@@ -138,8 +138,13 @@ def pack_header(kind: ArrayKind, method: str, transform: str, streams_per_block:
 
 def header_size(kind: ArrayKind, streams_per_block: int, nblocks: int) -> int:
     """Bytes of the header :func:`pack_header` writes for ``nblocks`` blocks of ``kind``."""
+    return _FIXED.size + len(kind.dtype) + 8 * len(kind.shape) + _table_bytes(nblocks, streams_per_block) + _U64.size
+
+
+def _table_bytes(nblocks: int, streams_per_block: int) -> int:
+    """Bytes of the stream table: a checksum per block, a coding and a size per stream."""
     nstreams = nblocks * streams_per_block
-    return _FIXED.size + len(kind.dtype) + 8 * len(kind.shape) + 8 * nblocks + nstreams + 4 * nstreams + _U64.size
+    return 8 * nblocks + nstreams + 4 * nstreams
 
 
 def version_for(method: str, codings: list[list[int]] | None = None) -> int:
@@ -201,7 +206,7 @@ def parse_header(blob: memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTE
     nblocks = block_count(elements, block_elems)
     _check(nblocks <= MAX_BLOCKS, f"{nblocks} blocks, above the limit {MAX_BLOCKS}")
     nstreams = nblocks * streams
-    end = pos + 8 * nblocks + nstreams + 4 * nstreams
+    end = pos + _table_bytes(nblocks, streams)
     if n < end + 8:
         raise CodecError(f"truncated frame: header and stream table need {end + 8} bytes, got {n}")
     if xxhash.xxh3_64_intdigest(blob[:end]) != _U64.unpack_from(blob, end)[0]:

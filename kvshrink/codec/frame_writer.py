@@ -73,7 +73,6 @@ def write(dest: np.ndarray, header: bytes, payloads: Sequence[Sequence[Any]], gr
     for block in payloads:
         starts.append(pos)
         pos += sum(len(memoryview(p).cast("B")) for p in block)
-    jit = _kernels.get()
     nblocks = len(payloads)
     if not nblocks:
         return
@@ -82,19 +81,28 @@ def write(dest: np.ndarray, header: bytes, payloads: Sequence[Sequence[Any]], gr
 
     def copy_group(g: int) -> None:
         for b in range(edges[g], edges[g + 1]):
-            at = starts[b]
-            for p in payloads[b]:
-                src = payload_bytes(p)
-                if jit is not None:
-                    jit.copy_bytes(src, dest[at:at + src.size])
-                else:
-                    dest[at:at + src.size] = src
-                at += src.size
+            put_payloads(dest, starts[b], payloads[b])
 
     run_groups(groups, copy_group)
 
 
-def payload_bytes(payload: Any) -> np.ndarray:
+def put_payloads(dest: np.ndarray, at: int, payloads: Sequence[Any]) -> list[int]:
+    """Copy one block's ``payloads`` into ``dest`` from ``at`` on, back to back (without the GIL
+    where the kernels are compiled); their sizes."""
+    jit = _kernels.get()
+    sizes = []
+    for p in payloads:
+        src = _payload_bytes(p)
+        if jit is not None:
+            jit.copy_bytes(src, dest[at:at + src.size])
+        else:
+            dest[at:at + src.size] = src
+        at += src.size
+        sizes.append(src.size)
+    return sizes
+
+
+def _payload_bytes(payload: Any) -> np.ndarray:
     """A block payload (``bytes`` or an array) as a flat uint8 view, no copy."""
     if isinstance(payload, np.ndarray):
         return payload.reshape(-1).view(np.uint8)

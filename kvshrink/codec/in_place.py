@@ -66,10 +66,11 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
         start = layout.start(g)
         pos = start
         result = np.empty((1, 2), np.int64)
+        words = rows.reshape(-1).view("<u2")
         for b in range(*groups[g]):
             block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
             m = block_rows.shape[0]
-            size, coding = encode_fast_word_block(rows, plan, b, dest[pos:pos + slot], result)
+            size, coding = encode_fast_word_block(words, plan, b, dest[pos:pos + slot], result)
             if coding:
                 low = pos + slot - plan.block_elems
                 _move_down(dest, low, pos + size, m)  # behind the high payload, while both are in cache
@@ -77,13 +78,7 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
             else:  # high bytes not worth coding: the general path's payloads, copied in
                 block = encode_block(block_rows, plan)
                 try:
-                    sizes, codings = [], block.codings
-                    at = pos
-                    for payload in block.payloads:
-                        src = frame_writer.payload_bytes(payload)
-                        dest[at:at + src.size] = src
-                        at += src.size
-                        sizes.append(src.size)
+                    sizes, codings = frame_writer.put_payloads(dest, pos, block.payloads), block.codings
                 finally:
                     block.release()
             metas[g].append((xxhash.xxh3_64_intdigest(block_rows), codings, sizes))
