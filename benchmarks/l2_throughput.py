@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Seque
 
 from kvshrink.benchmarks.capacity_replay import ChunkPool
 from kvshrink.benchmarks.comparison import OURS, STOCK, SideRun, TierPolicy, Workload, digest
+from kvshrink.benchmarks.paired_stats import paired_ratio
 from kvshrink.testing.derived_stores import derive_store, store_record
 from kvshrink.errors import CorruptDataError, KVShrinkError
 
@@ -167,6 +169,25 @@ def measure(spec: dict[str, Any], pool: Sequence["torch.Tensor"], threads: int,
             "store_cores_busy": store_cpu_s / store_wall_s,
             "load_cores_busy": load_cpu_s / load_wall_s,
             "verified_chunks": float(verified)}
+
+
+def median_run(runs: Sequence[SideRun]) -> SideRun:
+    """One side's repeats of a case as one run: the median of each figure over ``runs`` (the same
+    side, workload and policy). Why: one store or load of a few hundred MB on a shared 2-core VM
+    swings by up to 1.5x from one run to the next; rows show the median, targets an interval
+    (:func:`paired_ratios`)."""
+    first = runs[0]
+    if any((r.side, r.workload, r.policy) != (first.side, first.workload, first.policy) for r in runs):
+        raise ValueError("median_run: repeats of different sides, workloads or policies")
+    figures = {name: float(statistics.median(r.figures[name] for r in runs)) for name in first.figures}
+    return SideRun(first.side, first.workload, figures, first.details, first.policy)
+
+
+def paired_ratios(stock: Sequence[SideRun], ours: Sequence[SideRun],
+                  metrics: Sequence[str] = ("load_gbps", "store_gbps")) -> dict[str, dict[str, float]]:
+    """Per metric, the median of ours / stock over repeats measured back to back, with its 95 %
+    bootstrap interval (``paired_stats.paired_ratio``): what a target's verdict rests on."""
+    return {m: paired_ratio([o.figures[m] for o in ours], [s.figures[m] for s in stock]).as_dict() for m in metrics}
 
 
 class AdapterCpu:

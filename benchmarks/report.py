@@ -313,9 +313,14 @@ def _plot_throughput(figures: Mapping[str, Any], path: Path) -> None:
     x = np.arange(len(cases))
     for ax, metric in zip(axes, ("store_gbps", "load_gbps")):
         for j, (side, color) in enumerate(((STOCK, "tab:blue"), (OURS, "tab:red"))):
-            ax.bar(x + (j - 0.5) * 0.38, [c[side][metric] for c in cases], 0.38, color=color, label=side)
+            medians = [c[side][metric] for c in cases]
+            spread = [[m - min(r[metric] for r in c["repeats"][side]) for m, c in zip(medians, cases)],
+                      [max(r[metric] for r in c["repeats"][side]) - m for m, c in zip(medians, cases)]] \
+                if all("repeats" in c for c in cases) else None
+            ax.bar(x + (j - 0.5) * 0.38, medians, 0.38, yerr=spread, capsize=3, color=color, label=side)
         ax.set_xticks(x, [c.get("short", c["case"]) for c in cases], fontsize=8, rotation=20, ha="right")
-        ax.set(ylabel="GB/s of KV", title=f"L2 adapter {metric.split('_')[0]}")
+        ax.set(ylabel="GB/s of KV (median; bars: min-max of the repeats)",
+               title=f"L2 adapter {metric.split('_')[0]}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     _save(fig, path)

@@ -54,3 +54,67 @@ def test_adapter_cpu_counts_the_run_and_leaves_out_the_harness() -> None:
     assert 0.29 <= wall < 0.6, wall  # burning and sleeping count as wall time, filling does not
     _, later, _ = cpu.of(lambda: _burn(0.05))  # harness time of an earlier run is not taken off a later one
     assert 0.045 <= later < 0.15, later
+
+
+def test_the_section_repeats_each_case_interleaved_and_judges_targets_by_interval(monkeypatch, tmp_path) -> None:
+    """The throughput section on real adapters, shrunk: every side runs each case ``repeats``
+    times, back to back with the other side (who goes first alternates); rows show each side's
+    median, and every target's verdict rests on the interval of the per-repeat ratios."""
+    from tqdm import tqdm
+
+    from kvshrink.benchmarks import suite_sections as ss
+    from kvshrink.configs import default_store_path
+
+    monkeypatch.setitem(ss.PRESETS, "l2-test", {"throughput": {"keys_per_submit": 2, "rounds": 1, "repeats": 3,
+                                                               "threads": (1,), "link_mbit": (), "ssd_reads": ()}})
+    order: list[tuple[str, str]] = []
+    run_side = lt.run_side
+    monkeypatch.setattr(lt, "run_side", lambda side, tier, *a: order.append((tier, side)) or run_side(side, tier, *a))
+    ctx = ss.Context(mode="l2-test", out_dir=tmp_path, store_template=default_store_path(), threads=1, bar=tqdm)
+    section = ss.throughput(ctx)
+    assert order == [(tier, side) for tier in lt.TIERS for side in (STOCK, OURS, OURS, STOCK, STOCK, OURS)]
+    for case in section.figures["cases"]:
+        for side in (STOCK, OURS):
+            runs = case["repeats"][side]
+            assert len(runs) == 3 and all(r["verified_chunks"] == 2 for r in runs)
+            assert case[side]["load_gbps"] == sorted(r["load_gbps"] for r in runs)[1]  # the median of three
+        ratios = [o["store_gbps"] / s["store_gbps"] for s, o in zip(case["repeats"][STOCK], case["repeats"][OURS])]
+        interval = case["ratios"]["store_gbps"]
+        assert interval["pairs"] == 3 and interval["median"] == sorted(ratios)[1]
+        assert interval["low"] >= min(ratios) - 1e-12 and interval["high"] <= max(ratios) + 1e-12
+    rows = {(r.case, r.metric): r for r in section.comparisons}
+    assert rows[("dram, 1 thread", "load_gbps")].ours == section.figures["cases"][0][OURS]["load_gbps"]
+    timed = {name: t for name, t in section.targets.items() if "load >=" in name}  # bytes per token: no timing
+    assert len(timed) == 2 and all("95 %" in t["detail"] and "3 pairs" in t["detail"] for t in timed.values()), timed
+    assert any("median of 3 repeats" in note for note in section.notes)
+    from kvshrink.benchmarks import report
+
+    report._plot_throughput(section.figures, tmp_path / "throughput.png")  # bars with the repeats' spread
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+def test_a_throughput_target_is_met_only_where_the_interval_clears_it() -> None:
+    from kvshrink.benchmarks import suite_sections as ss
+
+    def case(name: str, load: tuple[float, float, float], store: tuple[float, float, float]) -> dict:
+        ratio = lambda m, lo, hi: {"median": m, "low": lo, "high": hi, "pairs": 5, "confidence": 0.95}  # noqa: E731
+        return {"case": name, "ratios": {"load_gbps": ratio(*load), "store_gbps": ratio(*store)}}
+
+    def targets(*cases: dict) -> dict:
+        section = ss.Section(figures={"cases": list(cases)})
+        ss._throughput_targets(section)
+        return section.targets
+
+    met = targets(case("dram, 1 thread", (1.2, 1.05, 1.4), (1.0, 0.92, 1.1)),
+                  case("dram, 2 threads", (1.1, 1.0, 1.3), (0.95, 0.9, 1.0)))
+    (name, result), = met.items()
+    assert name.startswith("dram (page cache)") and result["pass"] is True
+    assert result["detail"].count(": met") == 4
+    straddles = targets(case("dram, 1 thread", (1.2, 1.05, 1.4), (1.0, 0.85, 1.1)))
+    detail = next(iter(straddles.values()))
+    assert detail["pass"] is False and "store 1.00x (95 % 0.85-1.10, 5 pairs): inconclusive" in detail["detail"]
+    below = targets(case("ssd, 2 threads", (0.4, 0.3, 0.5), (0.3, 0.2, 0.35)),
+                    case("ssd, 2 threads, 500 MB/s device", (1.55, 1.52, 1.6), (0.3, 0.2, 0.4)))
+    assert below["ssd (page cache): load >= 0.9x and store >= 0.9x stock at every thread count"]["pass"] is False
+    assert ": not met" in below["ssd (page cache): load >= 0.9x and store >= 0.9x stock at every thread count"]["detail"]
+    assert below["ssd at a 500 MB/s device: load >= 1.5x stock"]["pass"] is True
