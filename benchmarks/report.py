@@ -314,12 +314,11 @@ def _plot_throughput(figures: Mapping[str, Any], path: Path) -> None:
     for ax, metric in zip(axes, ("store_gbps", "load_gbps")):
         for j, (side, color) in enumerate(((STOCK, "tab:blue"), (OURS, "tab:red"))):
             medians = [c[side][metric] for c in cases]
-            spread = [[m - min(r[metric] for r in c["repeats"][side]) for m, c in zip(medians, cases)],
-                      [max(r[metric] for r in c["repeats"][side]) - m for m, c in zip(medians, cases)]] \
-                if all("repeats" in c for c in cases) else None
+            runs = [[r[metric] for r in c["repeats"][side]] if "repeats" in c else [m] for m, c in zip(medians, cases)]
+            spread = [[m - min(r) for m, r in zip(medians, runs)], [max(r) - m for m, r in zip(medians, runs)]]
             ax.bar(x + (j - 0.5) * 0.38, medians, 0.38, yerr=spread, capsize=3, color=color, label=side)
         ax.set_xticks(x, [c.get("short", c["case"]) for c in cases], fontsize=8, rotation=20, ha="right")
-        ax.set(ylabel="GB/s of KV (median; bars: min-max of the repeats)",
+        ax.set(ylabel="GB/s of KV (median; whiskers: min-max of repeats)",
                title=f"L2 adapter {metric.split('_')[0]}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
