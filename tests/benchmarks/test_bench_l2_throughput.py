@@ -62,6 +62,7 @@ def test_the_section_repeats_each_case_interleaved_and_judges_targets_by_interva
     median, and every target's verdict rests on the interval of the per-repeat ratios."""
     from tqdm import tqdm
 
+    from kvshrink.benchmarks import report
     from kvshrink.benchmarks import suite_sections as ss
     from kvshrink.configs import default_store_path
 
@@ -87,8 +88,6 @@ def test_the_section_repeats_each_case_interleaved_and_judges_targets_by_interva
     timed = {name: t for name, t in section.targets.items() if "load >=" in name}  # bytes per token: no timing
     assert len(timed) == 2 and all("95 %" in t["detail"] and "3 pairs" in t["detail"] for t in timed.values()), timed
     assert any("median of 3 repeats" in note for note in section.notes)
-    from kvshrink.benchmarks import report
-
     report._plot_throughput(section.figures, tmp_path / "throughput.png")  # bars with the repeats' spread
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
 
