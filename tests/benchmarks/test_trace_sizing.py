@@ -144,6 +144,17 @@ def test_the_replay_gets_what_the_run_has_left_less_the_tiers_section(tmp_path: 
     assert ts.default_time_budget_min(["avx2"]) == 40
 
 
+def test_the_tiers_allowance_covers_what_a_full_run_measured() -> None:
+    """The speeds a full run measured on the 2-core AVX-512 EPYC (`make bench`, 2026-12-06), whose
+    tiers section then took 666 s: the allowance the replay's sizing subtracts is within 10 % of it,
+    so the replay is not handed minutes the tiers section then spends past the run's budget."""
+    from kvshrink.benchmarks.suite_sections import PRESETS
+
+    epyc = ts.Speeds(cold=((1024, 2.02), (2048, 4.97), (4096, 12.92), (8184, 41.10)), fixed_s=0.151,
+                     load_s_per_token=9.39e-05, overhead_s=0.668, per_budget_s=24.6)
+    assert ts.tiers_allowance_s(epyc, **PRESETS["full"]["tiers"]) == pytest.approx(666, rel=0.1)
+
+
 def test_the_harness_measures_sizes_and_records_the_trace_before_its_replay(monkeypatch: pytest.MonkeyPatch,
                                                                            tmp_path: Path) -> None:
     """``PairedBench.choose_trace`` with a stand-in stack: the 4K cold request the hot path lacks is
