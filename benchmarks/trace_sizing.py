@@ -215,9 +215,9 @@ def tiers_allowance_s(speeds: Speeds, prompt_tokens: int = 4096, pairs: int = 10
     prefills of its prompt, and ``pairs`` warm requests per side for each of its ``rows``.
 
     ``startup_s`` (its stacks' starts, restarts and the device rows' page-cache drops, which no
-    prefill speed predicts) is what full runs measured: the section took 672 s on the AMX Xeon
-    and 666 s on the AVX-512 EPYC, ~450 s more than their prefills and warm requests; 240 s left
-    the replay ~3.5 min that the run then spent over its budget."""
+    prefill speed predicts) is what full runs measured: the section took 666 s on the AVX-512
+    EPYC, 434 s more than this model's prefills and warm requests at that run's speeds, and 672 s
+    on the AMX Xeon; 240 s left the replay ~3.2 min that the run then spent over its budget."""
     warm = speeds.fixed_s + speeds.load_s_per_token * prompt_tokens + speeds.overhead_s
     return startup_s + 3 * speeds.cold_s(prompt_tokens) + rows * pairs * 2 * warm
 
