@@ -14,9 +14,9 @@ allows namespaces, and :class:`LinkUnavailable` says so where either is missing.
   crosses the link, as a chunk stored by another node would).
 
 Both are timed by ``lmcache bench l2``'s round runners (:func:`l2_throughput.measure`: real SmolLM2
-chunks, every load checked bit-exact) against a fresh ``redis-server`` each; bytes in Redis are its
-``used_memory`` after the stores minus before, per stored token. ``kvshrink bench --sections
-throughput`` runs it (its remote rows; run as root).
+chunks, every load checked bit-exact) against a fresh ``redis-server`` each; bytes in Redis are
+what its keys hold after the stores minus before (:func:`stored_bytes`), per stored token.
+``kvshrink bench --sections throughput`` runs it (its remote rows; run as root).
 """
 
 from __future__ import annotations
@@ -129,10 +129,21 @@ def ours_spec(server: Any, threads: int, template: Path | None = None) -> dict[s
             "adapter_params": {"store": store, "workers": threads}}
 
 
-def _used_memory(server: Any) -> int:
+def stored_bytes(server: Any) -> tuple[int, int]:
+    """Bytes the keys of ``server`` hold (the sum of ``MEMORY USAGE`` over them: values, key names
+    and the allocator's rounding) and how many keys there are.
+
+    Not ``used_memory``: that also counts a client's query buffer, which keeps the last large value
+    written (~one chunk) until the server's cron shrinks it seconds later, so a figure read right
+    after the stores would depend on the clock."""
     import redis
 
-    return int(redis.Redis(host=server.host, port=server.port).info("memory")["used_memory"])
+    client = redis.Redis(host=server.host, port=server.port)
+    try:
+        keys = list(client.scan_iter(count=1000))
+        return sum(client.memory_usage(key, samples=0) or 0 for key in keys), len(keys)
+    finally:
+        client.close()
 
 
 def run_side(side: str, link: Link, pool: ChunkPool, threads: int, settings: ThroughputSettings,
@@ -141,10 +152,10 @@ def run_side(side: str, link: Link, pool: ChunkPool, threads: int, settings: Thr
     try:
         with redis_across(link, workdir) as server:
             spec = stock_spec(server) if side == STOCK else ours_spec(server, threads, template)
-            before = _used_memory(server)
+            before = stored_bytes(server)[0]
             figures = measure(spec, pool, threads, settings)
             stored = (settings.warmup_rounds + settings.rounds) * threads * settings.keys_per_submit
-            figures["bytes_in_redis_per_token"] = (_used_memory(server) - before) / (stored * pool[0].shape[2])
+            figures["bytes_in_redis_per_token"] = (stored_bytes(server)[0] - before) / (stored * pool[0].shape[2])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     workload = Workload(trace=digest("l2-waves", settings.keys_per_submit, settings.rounds, settings.warmup_rounds),

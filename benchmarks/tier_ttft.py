@@ -171,12 +171,12 @@ class TierTTFT:
                 wants_redis = "cross-node" in s.rows or "remote" in s.rows
                 redis = self.redis = self._remote_servers(stack) if wants_redis else {}
                 self._launch(redis)
-                before = {side: _redis_usage(server) for side, server in redis.items()}
+                before = {side: rl.stored_bytes(server) for side, server in redis.items()}
                 cold = self._cold(prompt)
                 out["cold_ttft_s"] = {k: v.ttft_s for k, v in cold.items()}
                 if redis:
                     cached = len(prompt) // s.chunk_tokens * s.chunk_tokens
-                    grown = {side: [a - b for a, b in zip(_redis_usage(server), before[side])]
+                    grown = {side: [a - b for a, b in zip(rl.stored_bytes(server), before[side])]
                              for side, server in redis.items()}
                     out["redis_stored"] = {side: {"bytes": g[0], "keys": g[1], "tokens": cached} for side, g in grown.items()}
                     out["redis_bytes_per_token"] = {side: g[0] / cached for side, g in grown.items()}
@@ -416,18 +416,6 @@ def _cross_node_interval(row: dict[str, Any], remote: Row, cold_s: float) -> Non
     ttfts = [row["ours"][0]["ttft_s"]] + [x["ttft_s"] for x in remote.ours]
     r = paired_ratio(ttfts, [cold_s] * len(ttfts)).as_dict()
     row.update(ratio={**r, "first_request": ttfts[0] / cold_s}, verdict=verdict(r, CROSS_NODE_TARGET))
-
-
-
-def _redis_usage(server: Any) -> tuple[int, int]:
-    """``used_memory`` and the number of keys of ``server`` (what the prefill's stores added)."""
-    import redis
-
-    client = redis.Redis(host=server.host, port=server.port)
-    try:
-        return int(client.info("memory")["used_memory"]), int(client.dbsize())
-    finally:
-        client.close()
 
 
 def lmcache_model_name(model: Path) -> str:

@@ -50,3 +50,20 @@ def test_the_link_leaves_nothing_behind_also_after_an_error() -> None:
     assert link.netns not in _namespaces()
     devices = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f"kvs{link.netns.rsplit('-', 1)[1]}a" not in devices
+
+
+def test_stored_bytes_counts_the_keys_not_the_writers_query_buffer(redis_server) -> None:
+    import redis
+
+    before = rl.stored_bytes(redis_server)
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        for i in range(3):
+            client.set(f"chunk-{i}", bytes([i]) * 4_000_000)  # the writer keeps ~4 MB of query buffer
+        used_grew = int(client.info("memory")["used_memory"]) - before[0]
+    finally:
+        client.close()
+    grown, keys = rl.stored_bytes(redis_server)
+    assert before == (0, 0) and keys == 3
+    assert 12_000_000 <= grown <= 1.1 * 12_000_000, grown  # three values, their keys, jemalloc size classes
+    assert used_grew > grown + 2_000_000, used_grew  # what used_memory adds at this instant: the buffer
