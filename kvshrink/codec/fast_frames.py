@@ -3,9 +3,11 @@
 Why: decoded through ``blocks.decode_block``, each 512 KiB block paid ~10 us of Python (stream
 table lookups, payload views and checks) holding the GIL; on a kernel that decodes ~20 GB/s
 from cache that was the part two threads could not share. Here the table of the whole frame is
-checked in one compiled pass, and each worker decodes a contiguous group of blocks, one kernel
-call per block (``nogil``) followed by its checksum (xxhash, also without the GIL) while the block
-is still in the core's cache: hashing a whole group after decoding it read it back from memory.
+checked in one compiled pass, and each worker decodes a contiguous group of blocks in one
+``nogil`` kernel call that hashes each block right after decoding it, while the block is still in
+the core's cache (hashing a whole group after decoding it read it back from memory). Where the
+kernels cannot call xxhash's library (``_fastjit.verify_in_kernel`` False), it is a kernel call per
+block followed by its checksum in Python (xxhash, also without the GIL).
 
 Only frames whose every block is the fused case (high bytes as code pairs or packed planes, low
 bytes stored) take this path; any other frame, or one whose table fails a check, gets None from
@@ -59,6 +61,16 @@ class WordBlocks:
         them, each block hashed right after it is decoded, while it is still in the core's cache."""
         h = self.header
         rotate, elems = h.transform == "rotl1", h.block_elems
+        if kernels.verify_in_kernel:  # the whole group in one call without the GIL
+            status = kernels.decode_verify_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.codings,
+                                                       self.widths, self.bases, self.planes_len, elems, out, rotate,
+                                                       self.checksums, first, stop)
+            if status:
+                block, code = divmod(-status, 4)
+                if code == kernels.ERR_CHECKSUM:
+                    raise CodecError(f"checksum mismatch in block {block} of {h.nblocks} (corrupt payload)")
+                raise packed.kernel_error(-code)
+            return
         for b in range(first, stop):
             status = kernels.decode_word_blocks(self.blob, self.hi_off, self.hi_len, self.lo_off, self.codings,
                                                 self.widths, self.bases, self.planes_len, elems, out, rotate, b, b + 1)

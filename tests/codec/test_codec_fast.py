@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import tracemalloc
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -299,14 +300,29 @@ def pairs_frame(real_chunks) -> bytes:
 ])
 def test_hostile_pair_streams(pairs_frame, payload, match):
     """Block 0 holds 1024 elements: code pairs take 512 bytes. Each payload fails on the compiled
-    path and on the block-by-block one."""
+    path (checksums inside the kernel, and in Python where the xxhash symbol is missing) and on
+    the block-by-block one."""
     blob = rebuild(pairs_frame, 0, 0, payload)
     with pytest.raises(CodecError, match=match):
         decode(blob)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fast_frames, "kernels", lambda: None)
-        with pytest.raises(CodecError, match=match):
-            decode(blob)
+    for kernels in (SimpleNamespace(**{**vars(fast_frames.kernels()), "verify_in_kernel": False}), None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast_frames, "kernels", lambda: kernels)
+            with pytest.raises(CodecError, match=match):
+                decode(blob)
+
+
+def test_the_compiled_path_names_the_block_whose_checksum_fails(pairs_frame):
+    """Block checksums are computed inside the decode kernel (this xxhash exports its SIMD xxh3),
+    and a damaged block is named as the Python hash named it."""
+    assert fast_frames.kernels().verify_in_kernel
+    blocks = parse_header(memoryview(pairs_frame))[0].nblocks
+    for block in (1, blocks - 1):
+        blob = bytearray(pairs_frame)
+        table = parse_header(memoryview(pairs_frame))[1]
+        blob[int(table.offsets[block, 1])] ^= 0x40  # a low byte: still a valid payload
+        with pytest.raises(CodecError, match=f"checksum mismatch in block {block} of {blocks} "):
+            decode(bytes(blob))
 
 
 def test_code_pairs_only_where_they_belong(pairs_frame):
