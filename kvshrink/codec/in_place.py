@@ -10,7 +10,9 @@ finished, else at its own worst-case offset, and is moved down once all are done
 moves nothing). The header goes in front, and the object is shrunk to the frame's size in place
 (CPython's ``_PyBytes_Resize``, the documented companion of ``PyBytes_FromStringAndSize(NULL,
 n)``; glibc shrinks the allocation without copying it). The bytes are the same as the scratch
-path's, which still serves ``into=`` callers and other Pythons.
+path's, which still serves ``into=`` callers and other Pythons. Where the kernels can hash
+(``_fastjit.verify_in_kernel``), one call codes, moves and hashes a group's blocks up to one the
+general path must take.
 
 Buffers: reads the caller's rows; writes only the new frame, which nothing else can see before it
 is returned. Threads: groups run on the caller's budget and write disjoint ranges; placement is
@@ -27,7 +29,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from kvshrink.codec import fast_frames, frame_writer
+from kvshrink.codec import fast_frames, frame_writer, nibbles, packed
 from kvshrink.codec.blocks import EncodePlan, encode_block, encode_fast_word_block, fast_word_slot
 from kvshrink.codec.dtypes import ArrayKind
 from kvshrink.codec.frame import STORED, header_size, pack_header
@@ -59,6 +61,7 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
     assert made is not None  # available() said so
     frame, dest = made
     del made
+    kernels = fast_frames.kernels()
     layout = _Layout(head, slot, groups)
     metas: list[list[tuple[int, list[int], list[int]]]] = [[] for _ in groups]
 
@@ -67,7 +70,12 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
         pos = start
         result = np.empty((1, 2), np.int64)
         words = rows.reshape(-1).view("<u2")
-        for b in range(*groups[g]):
+        b, stop = groups[g]
+        while b < stop:
+            if kernels.verify_in_kernel:  # every block up to one the general path must take, in one call
+                b, pos = _encode_words(kernels, words, plan, b, stop, dest, pos, slot, metas[g])
+                if b == stop:
+                    break  # else block b takes the per-block path below, which finds it not worth coding too
             block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
             m = block_rows.shape[0]
             size, coding = encode_fast_word_block(words, plan, b, dest[pos:pos + slot], result)
@@ -83,6 +91,7 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
                     block.release()
             metas[g].append((xxhash.xxh3_64_intdigest(block_rows), codings, sizes))
             pos += sum(sizes)
+            b += 1
         layout.finished(g, start, pos - start)
 
     run_groups(len(groups), encode_group)
@@ -96,6 +105,21 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
     box = [frame]
     del frame
     return _shrink(box, end)
+
+
+def _encode_words(kernels, words: np.ndarray, plan: EncodePlan, first: int, stop: int, dest: np.ndarray, pos: int,
+                  slot: int, metas: list[tuple[int, list[int], list[int]]]) -> tuple[int, int]:
+    """Blocks ``first..`` of a group coded by one ``encode_word_group`` call, their metadata
+    appended to ``metas``: (the block it stopped at, the position behind the last one written)."""
+    count = stop - first
+    checksums, sizes, codings = np.empty(count, np.uint64), np.empty(count, np.int64), np.empty(count, np.int64)
+    end, pos = kernels.encode_word_group(
+        words, plan.rotate, plan.block_elems, first, stop, dest, pos, slot, packed.ESCAPE_COST_BITS, packed.HEADER,
+        packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE, packed.SAMPLE_RUNS, packed.SAMPLE_RUN, checksums, sizes, codings)
+    n = words.size
+    for b, checksum, size, coding in zip(range(first, end), checksums.tolist(), sizes.tolist(), codings.tolist()):
+        metas.append((checksum, [coding, STORED], [size, min(plan.block_elems, n - b * plan.block_elems)]))
+    return end, pos
 
 
 class _Layout:

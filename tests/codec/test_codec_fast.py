@@ -190,13 +190,17 @@ def test_encode_into_a_callers_buffer(real_chunks):
             codec.encode(kv, into=lambda size: bytes(size))
 
 
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["hashed in the kernel", "hashed in Python"])
 @pytest.mark.parametrize(("threads", "block_size"), [(1, 512 << 10), (2, 512 << 10), (4, 64 << 10)])
-def test_frames_built_in_place_are_the_scratch_paths_bytes(monkeypatch, real_chunks, threads, block_size):
+def test_frames_built_in_place_are_the_scratch_paths_bytes(monkeypatch, real_chunks, threads, block_size, in_kernel):
     """A fast frame written straight into its bytes (``in_place``: groups placed behind each
     other or at their worst-case offsets, then moved down, the object shrunk) is byte for byte
     the frame the scratch path joins, for whole and partial blocks, blocks the general path
     encodes (random bytes amid real KV), and concurrent groups; it is a plain ``bytes`` with no
-    other reference, holding no more memory than its length."""
+    other reference, holding no more memory than its length. Both with a group's blocks coded,
+    moved and hashed in one kernel call up to a block the general path takes, and block by block."""
+    assert fast_frames.kernels().verify_in_kernel  # this machine's xxhash exports the symbol
+    monkeypatch.setattr(fast_frames.kernels(), "verify_in_kernel", in_kernel)
     used = []
     monkeypatch.setattr(in_place, "encode_fast_frame", _counted(in_place.encode_fast_frame, used))
     mixed = np.ascontiguousarray(real_chunks[0]).reshape(-1).copy()
