@@ -33,13 +33,15 @@ ERR_CHECKSUM = 3  # the third status code of decode_verify_word_blocks, after _p
 
 
 def _load_xxh3() -> bool:
-    """Make ``XXH3_64bits_dispatch`` of the ``xxhash`` extension resolvable by compiled code."""
+    """Make ``XXH3_64bits_dispatch`` of the ``xxhash`` extension resolvable by compiled code;
+    False where that extension or the symbol is not there (another build of the package)."""
     import llvmlite.binding
-    import xxhash._xxhash
 
     try:
+        import xxhash._xxhash
+
         llvmlite.binding.load_library_permanently(xxhash._xxhash.__file__)
-    except RuntimeError:
+    except (ImportError, AttributeError, RuntimeError):
         return False
     return llvmlite.binding.address_of_symbol("XXH3_64bits_dispatch") is not None
 
