@@ -53,17 +53,17 @@ def test_the_link_leaves_nothing_behind_also_after_an_error() -> None:
 
 
 def test_stored_bytes_counts_the_keys_not_the_writers_query_buffer(redis_server) -> None:
+    """What three stored values hold, read right after the writes: Redis's ``used_memory`` would
+    then also count the writer's query buffer (~the last value, on redis-server 7.0), above the bound."""
     import redis
 
     before = rl.stored_bytes(redis_server)
     client = redis.Redis(host=redis_server.host, port=redis_server.port)
     try:
         for i in range(3):
-            client.set(f"chunk-{i}", bytes([i]) * 4_000_000)  # the writer keeps ~4 MB of query buffer
-        used_grew = int(client.info("memory")["used_memory"]) - before[0]
+            client.set(f"chunk-{i}", bytes([i]) * 4_000_000)
     finally:
         client.close()
     grown, keys = rl.stored_bytes(redis_server)
     assert before == (0, 0) and keys == 3
     assert 12_000_000 <= grown <= 1.1 * 12_000_000, grown  # three values, their keys, jemalloc size classes
-    assert used_grew > grown + 2_000_000, used_grew  # what used_memory adds at this instant: the buffer
