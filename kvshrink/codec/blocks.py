@@ -161,15 +161,19 @@ def fast_word_slot(plan: EncodePlan) -> int:
     return packed.encode_buffer_size(plan.block_elems) + plan.block_elems
 
 
+# The coding settings the fused word kernels take, in their argument order (``_fastjit``'s
+# encode_word_blocks and encode_word_group).
+WORD_CODING = (packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE, packed.SAMPLE_RUNS,
+               packed.SAMPLE_RUN)
+
+
 def encode_fast_word_block(words: np.ndarray, plan: EncodePlan, b: int, slot: np.ndarray,
                            result: np.ndarray) -> tuple[int, int]:
     """Block ``b`` of ``words`` (uint16, the whole input) into ``slot`` (``fast_word_slot``
     bytes): (high payload bytes, PAIRS or PACKED), or (0, 0) when its high bytes are not worth
     coding (then nothing useful was written). ``result``: an int64[1, 2] the kernel writes."""
-    fast_frames.kernels().encode_word_blocks(
-        words, plan.rotate, plan.block_elems, b, b + 1, slot, slot.size,
-        packed.ESCAPE_COST_BITS, packed.HEADER, packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE, packed.SAMPLE_RUNS,
-        packed.SAMPLE_RUN, result)
+    fast_frames.kernels().encode_word_blocks(words, plan.rotate, plan.block_elems, b, b + 1, slot, slot.size,
+                                             *WORD_CODING, result)
     size, coding = result[0].tolist()
     return size, coding
 

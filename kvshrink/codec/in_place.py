@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from kvshrink.codec import fast_frames, frame_writer, nibbles, packed
-from kvshrink.codec.blocks import EncodePlan, encode_block, encode_fast_word_block, fast_word_slot
+from kvshrink.codec import fast_frames, frame_writer
+from kvshrink.codec.blocks import WORD_CODING, EncodePlan, encode_block, encode_fast_word_block, fast_word_slot
 from kvshrink.codec.dtypes import ArrayKind
 from kvshrink.codec.frame import STORED, header_size, pack_header
 
@@ -72,13 +72,15 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
         words = rows.reshape(-1).view("<u2")
         b, stop = groups[g]
         while b < stop:
+            coded = None
             if kernels.verify_in_kernel:  # every block up to one the general path must take, in one call
                 b, pos = _encode_words(kernels, words, plan, b, stop, dest, pos, slot, metas[g])
                 if b == stop:
-                    break  # else block b takes the per-block path below, which finds it not worth coding too
+                    break
+                coded = (0, 0)  # the kernel found block b's high bytes not worth coding
             block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
             m = block_rows.shape[0]
-            size, coding = encode_fast_word_block(words, plan, b, dest[pos:pos + slot], result)
+            size, coding = coded or encode_fast_word_block(words, plan, b, dest[pos:pos + slot], result)
             if coding:
                 low = pos + slot - plan.block_elems
                 _move_down(dest, low, pos + size, m)  # behind the high payload, while both are in cache
@@ -113,9 +115,8 @@ def _encode_words(kernels, words: np.ndarray, plan: EncodePlan, first: int, stop
     appended to ``metas``: (the block it stopped at, the position behind the last one written)."""
     count = stop - first
     checksums, sizes, codings = np.empty(count, np.uint64), np.empty(count, np.int64), np.empty(count, np.int64)
-    end, pos = kernels.encode_word_group(
-        words, plan.rotate, plan.block_elems, first, stop, dest, pos, slot, packed.ESCAPE_COST_BITS, packed.HEADER,
-        packed.MAX_WIDTH, nibbles.MAX_ESCAPE_SHARE, packed.SAMPLE_RUNS, packed.SAMPLE_RUN, checksums, sizes, codings)
+    end, pos = kernels.encode_word_group(words, plan.rotate, plan.block_elems, first, stop, dest, pos, slot,
+                                         *WORD_CODING, checksums, sizes, codings)
     n = words.size
     for b, checksum, size, coding in zip(range(first, end), checksums.tolist(), sizes.tolist(), codings.tolist()):
         metas.append((checksum, [coding, STORED], [size, min(plan.block_elems, n - b * plan.block_elems)]))
