@@ -16,9 +16,10 @@ write path and the read path carry no metrics code:
   stored bytes times the tier's resident ratio: writes add their exact raw and stored sizes, and
   bytes that left the tier (evicted, deleted, moved) are taken to have had the tier's average ratio
   (a tier keeps no per-chunk raw size, and one per chunk here would cost ~100 bytes each). So the
-  gauge is exact while nothing left the tier and never drifts from ``usage()``. Chunks the tier
-  held when the store opened (an SSD directory, a kept DRAM arena) get the ratio of a few of them
-  read at the first scrape. A Redis tier reports no usage (Redis evicts on its own): no gauge;
+  gauge is exact while nothing left the tier (also when a scrape falls in a write: it folds in what
+  left only when no write was in flight) and never drifts from ``usage()``. Chunks the tier held
+  when the store opened (an SSD directory, a kept DRAM arena) get the ratio of a few of them read
+  at the first scrape. A Redis tier reports no usage (Redis evicts on its own): no gauge;
 * reads are timed per tier (``get`` of a local tier: read and decode; ``fetch_frames`` of a remote
   one: the round trip) with ``result`` hit / miss, and per call at the facade (``get_many``);
   puts from the call to their Future's result (queueing, encoding, the write to the put tiers);
@@ -73,30 +74,47 @@ DROPPED_WORK = {"dropped_queue_full": "put_queue_full", "dropped_staging_full": 
 
 
 class _Resident:
-    """One tier's resident bytes: stored from ``usage()``, raw at the tier's resident ratio."""
+    """One tier's resident bytes: stored from ``usage()``, raw at the tier's resident ratio.
+
+    A scrape folds what left the tier into the ratio only when no write was in flight from before
+    it read ``usage()`` until it folds: a write's bytes appear in ``usage()`` before :meth:`wrote`
+    adds them here, and folding them then would count them twice. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._raw = 0.0
         self._stored = 0.0
+        self._begun = 0  # writes begun / ended: equal when none is in flight
+        self._ended = 0
+
+    def writing(self) -> None:
+        """A write into the tier begins; :meth:`wrote` must follow, failed or not."""
+        with self._lock:
+            self._begun += 1
 
     def wrote(self, raw: int, stored: int) -> None:
+        """A write begun with :meth:`writing` ended, adding ``raw`` / ``stored`` bytes (0, 0: it failed)."""
         with self._lock:
             self._raw += raw
             self._stored += stored
+            self._ended += 1
 
-    def raw_now(self, stored_now: int, seed_ratio: Callable[[], float]) -> float:
-        """Raw bytes for ``stored_now`` resident bytes; what left took the average ratio with it."""
+    def mark(self) -> tuple[int, int]:
+        """Taken before ``usage()`` is read, for :meth:`raw_now`."""
+        with self._lock:
+            return self._begun, self._ended
+
+    def raw_now(self, stored_now: int, seed_ratio: Callable[[], float], mark: tuple[int, int]) -> float:
+        """Raw bytes for ``stored_now`` resident bytes (read after :meth:`mark` gave ``mark``); what
+        left took the average ratio with it."""
         with self._lock:
             known = self._stored
         ratio = None if known > 0 or stored_now <= 0 else seed_ratio()  # outside the lock: it reads chunks
         with self._lock:
-            if self._stored > 0:
-                self._raw *= stored_now / self._stored
-            else:
-                self._raw = stored_now * (ratio or 1.0)
-            self._stored = float(max(stored_now, 0))
-            return self._raw
+            raw = self._raw * stored_now / self._stored if self._stored > 0 else stored_now * (ratio or 1.0)
+            if mark[0] == mark[1] == self._begun == self._ended:  # no write in flight since the mark
+                self._raw, self._stored = raw, float(max(stored_now, 0))
+            return raw
 
 
 class StoreMetrics:
@@ -157,7 +175,12 @@ class StoreMetrics:
 
         def metered_write_frame(key: bytes, frame: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            victims = write_frame(key, frame, *args, **kwargs)
+            resident.writing()
+            try:
+                victims = write_frame(key, frame, *args, **kwargs)
+            except BaseException:
+                resident.wrote(0, 0)
+                raise
             write_time.observe(time.perf_counter() - start)
             raw, stored = _sizes(frame)
             raw_in.inc(raw)
@@ -243,6 +266,7 @@ class StoreMetrics:
     def collect_snapshot(self) -> Iterator[Metric]:
         """What is read at scrape time: ``stats()`` (:class:`~kvshrink.store.stats.StoreCollector`),
         resident bytes per tier, and the work the store dropped by reason."""
+        marks = [resident.mark() for resident in self._resident]  # before stats() reads usage()
         snapshot = self._stats()
         yield from self._legacy.families(snapshot)
         raw = GaugeMetricFamily(f"{self._prefix}_tier_raw_bytes", "Uncompressed bytes of the chunks the tier "
@@ -254,7 +278,8 @@ class StoreMetrics:
             if used < 0:  # Redis: only Redis knows
                 continue
             resident = self._resident[index]
-            raw.add_metric([tier.name, tier.kind], resident.raw_now(used, lambda t=tier: self._seed_ratio(t)))
+            raw.add_metric([tier.name, tier.kind], resident.raw_now(used, lambda t=tier: self._seed_ratio(t),
+                                                                       marks[index]))
             stored.add_metric([tier.name, tier.kind], used)
         yield raw
         yield stored
