@@ -12,6 +12,18 @@
 #define LOW (1u << 15)  /* states live in [LOW, 2^31): the encoder's reciprocals are exact there */
 #define LANES 32
 
+/* counts[256] of in[0..n): four interleaved tables, so repeated symbols do not chain their increments. */
+void rans_count(const uint8_t *in, uint32_t n, uint32_t *counts) {
+    uint32_t t[4][256];
+    memset(t, 0, sizeof t);
+    uint32_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        t[0][in[i]]++; t[1][in[i + 1]]++; t[2][in[i + 2]]++; t[3][in[i + 3]]++;
+    }
+    for (; i < n; i++) t[0][in[i]]++;
+    for (int s = 0; s < 256; s++) counts[s] = t[0][s] + t[1][s] + t[2][s] + t[3][s];
+}
+
 /* counts[256] -> freq[256] summing to TOT, every present symbol >= 1, none == TOT. */
 int rans_normalise(const uint32_t *counts, uint32_t n, uint16_t *freq) {
     uint32_t sum = 0, best = 0, present = 0;
@@ -32,48 +44,28 @@ int rans_normalise(const uint32_t *counts, uint32_t n, uint16_t *freq) {
     return 0;
 }
 
-/* Encoder of every variant: the lanes' words in 32 / group streams (lanes 0..group-1, ...), so
- * the vectors' renorm reads need not chain. Layout: 32 states (u32), 4 stream lengths (u32, in
- * words; unused ones 0), the streams. Returns the bytes written into out, or -1. */
-int64_t rans_encode4(const uint8_t *in, uint32_t n, const uint16_t *freq, uint8_t *out, uint64_t cap,
-                     uint16_t *scratch /* 4 x (n + 8) words */, int group) {
-    /* division by reciprocal multiplication (as in ryg's rans_byte.h: exact for states < 2^31) */
-    uint32_t rcp[256], shift[256], bias[256], cmpl[256], xmax[256], start = 0;
+/* What encoding symbol s needs, division by reciprocal multiplication (as in ryg's rans_byte.h:
+ * exact for states < 2^31): x' = x + bias + (mulhi(x, rcp) >> shift) * cmpl, where cmpl = TOT - f.
+ * info packs bias (13 bits) | cmpl << 13 (12 bits) | shift << 25 (5 bits). */
+static void encoder_tables(const uint16_t *freq, uint32_t *rcp, uint32_t *info) {
+    uint32_t start = 0;
     for (int s = 0; s < 256; s++) {
-        uint32_t f = freq[s];
-        xmax[s] = ((LOW >> SCALE) << 16) * f;
-        cmpl[s] = TOT - f;
+        uint32_t f = freq[s], bias = start, shift = 0;
         if (f < 2) {
-            rcp[s] = ~0u; shift[s] = 0; bias[s] = start + TOT - 1;
+            rcp[s] = ~0u; bias = start + TOT - 1;
         } else {
             uint32_t sh = 0;
             while (f > (1u << sh)) sh++;
             rcp[s] = (uint32_t)(((1ull << (sh + 31)) + f - 1) / f);
-            shift[s] = sh - 1; bias[s] = start;
+            shift = sh - 1;
         }
+        info[s] = bias | (TOT - f) << 13 | shift << 25;
         start += f;
     }
-    if (group != 8 && group != 16 && group != 32) return -1;
-    int gshift = group == 8 ? 3 : group == 16 ? 4 : 5;
-    uint32_t x[LANES];
-    for (int j = 0; j < LANES; j++) x[j] = LOW;
-    uint16_t *top[4], *ptr[4];
-    for (int v = 0; v < 4; v++) top[v] = ptr[v] = scratch + (uint64_t)(v + 1) * (n + 8);
-    for (int64_t g = (int64_t)n - LANES; g >= 0; g -= LANES) {  /* groups, last first */
-        for (int v = (LANES >> gshift) - 1; v >= 0; v--) {  /* a stream's pointer stays in a register */
-            uint16_t *p = ptr[v];
-            for (int j = (v + 1) * group - 1; j >= v * group; j--) {
-                uint32_t s = in[g + j], xs = x[j];
-                uint32_t emit = xs >= xmax[s];  /* branchless: this branch mispredicts half the time */
-                p[-1] = (uint16_t)xs;
-                p -= emit;
-                xs >>= emit << 4;
-                uint32_t q = (uint32_t)(((uint64_t)xs * rcp[s]) >> 32) >> shift[s];
-                x[j] = xs + bias[s] + q * cmpl[s];
-            }
-            ptr[v] = p;
-        }
-    }
+}
+
+/* The encode4 layout from the final states and the streams [ptr[v], top[v]); -1 if over cap. */
+static int64_t write_layout(const uint32_t *x, uint16_t *const *top, uint16_t *const *ptr, uint8_t *out, uint64_t cap) {
     uint64_t need = 128 + 16;
     for (int v = 0; v < 4; v++) need += (uint64_t)(top[v] - ptr[v]) * 2;
     if (need > cap) return -1;
@@ -86,6 +78,90 @@ int64_t rans_encode4(const uint8_t *in, uint32_t n, const uint16_t *freq, uint8_
         o += (uint64_t)words * 2;
     }
     return (int64_t)need;
+}
+
+/* Encoder of every variant: the lanes' words in 32 / group streams (lanes 0..group-1, ...), so
+ * the vectors' renorm reads need not chain. Layout: 32 states (u32), 4 stream lengths (u32, in
+ * words; unused ones 0), the streams. n % LANES == 0. Returns the bytes written into out, or -1. */
+int64_t rans_encode4(const uint8_t *in, uint32_t n, const uint16_t *freq, uint8_t *out, uint64_t cap,
+                     uint16_t *scratch /* 4 x (n + 8) words */, int group) {
+    uint32_t rcp[256], info[256];
+    encoder_tables(freq, rcp, info);
+    if (group != 8 && group != 16 && group != 32) return -1;
+    int gshift = group == 8 ? 3 : group == 16 ? 4 : 5;
+    uint32_t x[LANES];
+    for (int j = 0; j < LANES; j++) x[j] = LOW;
+    uint16_t *top[4], *ptr[4];
+    for (int v = 0; v < 4; v++) top[v] = ptr[v] = scratch + (uint64_t)(v + 1) * (n + 8);
+    for (int64_t g = (int64_t)n - LANES; g >= 0; g -= LANES) {  /* groups, last first */
+        for (int v = (LANES >> gshift) - 1; v >= 0; v--) {  /* a stream's pointer stays in a register */
+            uint16_t *p = ptr[v];
+            for (int j = (v + 1) * group - 1; j >= v * group; j--) {
+                uint32_t s = in[g + j], xs = x[j], e = info[s];
+                uint32_t cmpl = (e >> 13) & (TOT - 1);
+                uint32_t emit = xs >= ((LOW >> SCALE) << 16) * (TOT - cmpl);  /* branchless: it mispredicts half the time */
+                p[-1] = (uint16_t)xs;
+                p -= emit;
+                xs >>= emit << 4;
+                uint32_t q = (uint32_t)(((uint64_t)xs * rcp[s]) >> 32) >> (e >> 25);
+                x[j] = xs + (e & 0x1fff) + q * cmpl;
+            }
+            ptr[v] = p;
+        }
+    }
+    return write_layout(x, top, ptr, out, cap);
+}
+
+/* mask of the lanes that renormalise -> the lanes' words moved to the top popcount slots, in lane order */
+static uint32_t compress_hi_lut[256][8];
+static int compress_ready = 0;
+
+/* The same stream as rans_encode4 with group 8, each 8-lane vector encoded at once (AVX2): two
+ * gathers (rcp, info) per 8 symbols, the renormalising lanes' words compressed into place. */
+int64_t rans_encode4_avx2(const uint8_t *in, uint32_t n, const uint16_t *freq, uint8_t *out, uint64_t cap,
+                          uint16_t *scratch /* 4 x (n + 8) words */) {
+    if (!compress_ready) {
+        for (int m = 0; m < 256; m++) {
+            int k = 8 - __builtin_popcount(m);
+            for (int j = 0; j < 8; j++) compress_hi_lut[m][j] = 0;
+            for (int j = 0; j < 8; j++)
+                if ((m >> j) & 1) compress_hi_lut[m][k++] = (uint32_t)j;
+        }
+        compress_ready = 1;
+    }
+    uint32_t rcp[256], info[256];
+    encoder_tables(freq, rcp, info);
+    __m256i x[4];
+    for (int v = 0; v < 4; v++) x[v] = _mm256_set1_epi32(LOW);
+    uint16_t *top[4], *ptr[4];
+    for (int v = 0; v < 4; v++) top[v] = ptr[v] = scratch + (uint64_t)(v + 1) * (n + 8);
+    const __m256i m12 = _mm256_set1_epi32(TOT - 1), m13 = _mm256_set1_epi32(0x1fff), m16 = _mm256_set1_epi32(0xffff);
+    const __m256i tot = _mm256_set1_epi32(TOT);
+    for (int64_t g = (int64_t)n - LANES; g >= 0; g -= LANES) {
+        for (int v = 3; v >= 0; v--) {
+            __m256i sym = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + g + 8 * v)));
+            __m256i r = _mm256_i32gather_epi32((const int *)rcp, sym, 4);
+            __m256i e = _mm256_i32gather_epi32((const int *)info, sym, 4);
+            __m256i cmpl = _mm256_and_si256(_mm256_srli_epi32(e, 13), m12);
+            __m256i xmax = _mm256_slli_epi32(_mm256_sub_epi32(tot, cmpl), 19);  /* ((LOW >> SCALE) << 16) * f */
+            __m256i xs = x[v];
+            __m256i emit = _mm256_cmpgt_epi32(xs, _mm256_sub_epi32(xmax, _mm256_set1_epi32(1)));  /* < 2^31: signed is fine */
+            int m = _mm256_movemask_ps(_mm256_castsi256_ps(emit));
+            __m256i words = _mm256_permutevar8x32_epi32(_mm256_and_si256(xs, m16),
+                                                        _mm256_loadu_si256((const __m256i *)compress_hi_lut[m]));
+            __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), _MM_SHUFFLE(3, 1, 2, 0));
+            _mm_storeu_si128((__m128i *)(ptr[v] - 8), _mm256_castsi256_si128(w16));  /* the slots below are unwritten */
+            ptr[v] -= __builtin_popcount(m);
+            xs = _mm256_blendv_epi8(xs, _mm256_srli_epi32(xs, 16), emit);
+            __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(xs, r), 32);
+            __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(xs, 32), _mm256_srli_epi64(r, 32));
+            __m256i q = _mm256_srlv_epi32(_mm256_blend_epi32(even, odd, 0xaa), _mm256_srli_epi32(e, 25));
+            x[v] = _mm256_add_epi32(_mm256_add_epi32(xs, _mm256_and_si256(e, m13)), _mm256_mullo_epi32(q, cmpl));
+        }
+    }
+    uint32_t states[LANES];
+    for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(states + 8 * v), x[v]);
+    return write_layout(states, top, ptr, out, cap);
 }
 
 static uint32_t perm_lut[256][8]; /* movemask of the lanes that renormalise -> where each takes its word */

@@ -6,10 +6,11 @@ SSD-in-page-cache L2 rows) need that stage about twice as fast at the same ratio
 reach zstd (a 4-stream Huffman coder ran at half its speed: docs/bench/notes.md, stop 37). This
 builds ``experiments/rans_pairs.c`` with the machine's gcc (``-O3 -march=native``): an order-0
 static rANS coder, 32 interleaved 32-bit states, 12-bit probabilities, 16-bit renormalisation,
-decoded by AVX2 gathers (one word stream, or one per 8-lane vector so their reads do not chain)
-and, where the CPU has AVX-512 VBMI2, by 16-lane gathers and expand-loads. Every variant must
-round-trip every block bit-exactly; then each decodes the same blocks as zstandard (level 1, the
-dense codec's) in interleaved rounds in one process.
+encoded by scalar code and by AVX2, decoded by AVX2 gathers (one word stream, or one per 8-lane
+vector so their reads do not chain), where the CPU has AVX-512 VBMI2 by 16-lane gathers and
+expand-loads, and fused with the rebuild of the bf16 words. Every decoder must round-trip every
+block bit-exactly and the AVX2 encoder must write the scalar one's bytes; then each runs on the
+same blocks as zstandard (level 1, the dense codec's) in interleaved rounds in one process.
 
 Run: ``python experiments/rans_pairs.py [--out docs/bench/rans-pairs.json]`` (about a minute).
 """
@@ -88,6 +89,9 @@ def build(folder: Path) -> ctypes.CDLL:
     dll.rans_normalise.argtypes = [p, ctypes.c_uint32, p]
     dll.rans_encode4.argtypes = [p, ctypes.c_uint32, p, p, ctypes.c_uint64, p, ctypes.c_int]
     dll.rans_encode4.restype = ctypes.c_int64
+    dll.rans_encode4_avx2.argtypes = [p, ctypes.c_uint32, p, p, ctypes.c_uint64, p]
+    dll.rans_encode4_avx2.restype = ctypes.c_int64
+    dll.rans_count.argtypes = [p, ctypes.c_uint32, p]
     for name, _ in VARIANTS.values():
         if hasattr(dll, name):
             getattr(dll, name).argtypes = [p, ctypes.c_uint64, p, p, ctypes.c_uint32]
@@ -157,8 +161,8 @@ def main() -> None:
                     fn(stream.ctypes.data, size, freq.ctypes.data, out.ctypes.data, out.size)
             decoders[f"rANS {label}"] = decode
 
-        out = np.empty(2 * max(b.size for b in blocks) + 288, np.uint8)
-        scratch = np.empty(4 * (max(b.size for b in blocks) + 8), np.uint16)
+        enc_out = np.empty(2 * max(b.size for b in blocks) + 288, np.uint8)
+        enc_scratch = np.empty(4 * (max(b.size for b in blocks) + 8), np.uint16)
 
         nibble_payloads = [np.frombuffer(nibbles.dense_from_pairs(memoryview(b.payload), b.words.size, 1), np.uint8)
                            for b in kv]
@@ -192,20 +196,39 @@ def main() -> None:
 
         def rans_encode_all() -> None:  # the histogram included, as zstd counts its own
             for b in blocks:
-                rans_encode(dll, b, 8, out, scratch)
+                rans_encode(dll, b, 8, enc_out, enc_scratch)
 
         freqs8 = [freq for _, _, freq in coded8]
 
         def rans_coder_alone() -> None:  # the frequencies given: what a histogram in C would leave
             for b, freq in zip(blocks, freqs8):
-                dll.rans_encode4(b.ctypes.data, b.size, freq.ctypes.data, out.ctypes.data, out.size - 32,
-                                 scratch.ctypes.data, 8)
+                dll.rans_encode4(b.ctypes.data, b.size, freq.ctypes.data, enc_out.ctypes.data, enc_out.size - 32,
+                                 enc_scratch.ctypes.data, 8)
+
+        def rans_avx2_coder_alone() -> None:
+            for b, freq in zip(blocks, freqs8):
+                dll.rans_encode4_avx2(b.ctypes.data, b.size, freq.ctypes.data, enc_out.ctypes.data,
+                                      enc_out.size - 32, enc_scratch.ctypes.data)
+        counts, freq = np.empty(256, np.uint32), np.empty(256, np.uint16)
+
+        def rans_avx2_whole() -> None:  # counting and normalising in C too: what zstd's time holds
+            for b in blocks:
+                dll.rans_count(b.ctypes.data, b.size, counts.ctypes.data)
+                dll.rans_normalise(counts.ctypes.data, b.size, freq.ctypes.data)
+                dll.rans_encode4_avx2(b.ctypes.data, b.size, freq.ctypes.data, enc_out.ctypes.data,
+                                      enc_out.size - 32, enc_scratch.ctypes.data)
+        for b, (stream, size, freq) in zip(blocks, coded8):  # the vector encoder writes the same bytes
+            if dll.rans_encode4_avx2(b.ctypes.data, b.size, freq.ctypes.data, enc_out.ctypes.data, enc_out.size - 32,
+                                     enc_scratch.ctypes.data) != size or not np.array_equal(enc_out[:size], stream[:size]):
+                raise SystemExit("the AVX2 encoder's stream differs from the scalar encoder's")
 
         def zstd_encode_all() -> None:
             for b in blocks:
                 cctx.compress(b)
         work = {**decoders, "encode: rANS (scalar, numpy histogram)": rans_encode_all,
-                "encode: rANS (scalar, the coder alone)": rans_coder_alone, "encode: zstd": zstd_encode_all, **word_work}
+                "encode: rANS (scalar, the coder alone)": rans_coder_alone,
+                "encode: rANS (AVX2, the coder alone)": rans_avx2_coder_alone,
+                "encode: rANS (AVX2, histogram in C)": rans_avx2_whole, "encode: zstd": zstd_encode_all, **word_work}
         rounds: dict[str, list[float]] = {k: [] for k in work}
         for _ in range(ROUNDS):
             for label, fn in work.items():
