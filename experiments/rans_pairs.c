@@ -1,6 +1,6 @@
 /* Prototype: order-0 static rANS, 32 interleaved 32-bit states, 12-bit probabilities, 16-bit
- * renormalisation; scalar encoder, AVX2 and AVX-512 decoders. Question: how fast can a compiled SIMD
- * coder decode the dense frames' code pairs on this machine, against zstd's Huffman (~1 GB/s)?
+ * renormalisation; scalar and AVX2 encoders, AVX2 and AVX-512 decoders. Question: how fast can a
+ * compiled SIMD coder code the dense frames' code pairs on this machine, against zstd's Huffman?
  * A prototype for experiments/rans_pairs.py: it decodes only streams its own encoder wrote (no
  * checks against hostile input; the decoders read up to 16 bytes past a stream). */
 #include <immintrin.h>
