@@ -72,15 +72,15 @@ def encode_fast_frame(rows: np.ndarray, plan: EncodePlan, kind: ArrayKind, trans
         words = rows.reshape(-1).view("<u2")
         b, stop = groups[g]
         while b < stop:
-            coded = None
             if kernels.verify_in_kernel:  # every block up to one the general path must take, in one call
                 b, pos = _encode_words(kernels, words, plan, b, stop, dest, pos, slot, metas[g])
                 if b == stop:
                     break
-                coded = (0, 0)  # the kernel found block b's high bytes not worth coding
+                size, coding = 0, 0  # the kernel found block b's high bytes not worth coding
+            else:
+                size, coding = encode_fast_word_block(words, plan, b, dest[pos:pos + slot], result)
             block_rows = rows[b * plan.block_elems:(b + 1) * plan.block_elems]
             m = block_rows.shape[0]
-            size, coding = coded or encode_fast_word_block(words, plan, b, dest[pos:pos + slot], result)
             if coding:
                 low = pos + slot - plan.block_elems
                 _move_down(dest, low, pos + size, m)  # behind the high payload, while both are in cache
