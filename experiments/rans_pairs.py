@@ -142,13 +142,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         dll = build(Path(folder))
-        decoders, sizes, tables = {"zstd (zstandard, level 1)": zstd_decode}, {}, 0
+        decoders = {"zstd (zstandard, level 1)": zstd_decode}
         for label, (name, group) in VARIANTS.items():
             if not hasattr(dll, name):
                 continue  # compiled only where the CPU has what it needs
             coded = [rans_encode(dll, b, group) for b in blocks]
-            sizes[label] = sum(size for _, size, _ in coded)
-            tables = sum(2 * int((freq > 0).sum()) for _, _, freq in coded)  # a symbol and a 12-bit count each
             fn = getattr(dll, name)
             for (stream, size, freq), block, out in zip(coded, blocks, outs):
                 out[:] = 0
@@ -168,7 +166,9 @@ def main() -> None:
                            for b in kv]
         words = [np.empty_like(b.words) for b in kv]
         scratch_pairs = np.empty(BLOCK // 4 + 1, np.uint8)
-        coded8 = [rans_encode(dll, b.pairs, 8) for b in kv]
+        coded8 = [rans_encode(dll, b.pairs, 8) for b in kv]  # every variant writes these sizes and tables
+        rans_size = sum(size for _, size, _ in coded8)
+        tables = sum(2 * int((freq > 0).sum()) for _, _, freq in coded8)  # a symbol and a 12-bit count each
         for (stream, size, freq), b, out, payload in zip(coded8, kv, words, nibble_payloads):
             out[:] = 0
             exc = b.exceptions
@@ -233,7 +233,6 @@ def main() -> None:
         for _ in range(ROUNDS):
             for label, fn in work.items():
                 timed(fn, rounds[label])
-    rans_size = next(iter(sizes.values()))
     result = {
         "question": __doc__.split("\n")[0], "cpu": cpu()[0], "cores": os.cpu_count(), "flags": cpu()[1],
         "blocks": len(blocks), "pair_bytes": total,
